@@ -1,0 +1,131 @@
+"""Paged attention in plain torch: the reference every faster backend is tested against.
+
+Three operations, each a plain function a learner can read (chapter 03):
+
+* ``write_to_kv_cache``      — scatter new K/V into their slots (vLLM's ``reshape_and_cache``);
+* ``paged_decode_attention`` — one query per sequence, all decodes at once, context gathered
+  from the blocks of each sequence's block table;
+* ``paged_prefill_attention`` — variable-length query chunks, causal among the new tokens and
+  attending to everything before them (a cached prefix, earlier chunks), one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_to_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store token t's key and value at slot ``slot_mapping[t]``; slots < 0 are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    n = slot_mapping.shape[0]
+    k, v = k[:n], v[:n]
+    if (slot_mapping < 0).any():
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, d] + [seqs, blocks] -> [seqs, num_tokens, kv_heads, d]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    ctx = cache[block_tables[:, :num_blocks].long()]  # [seqs, blocks, block_size, kv_heads, d]
+    return ctx.flatten(1, 2)[:, :num_tokens]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [seqs, heads, d]: one query token per sequence
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads  # query heads sharing one KV head (GQA)
+    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+    k = gather_context(kv_cache[0], block_tables, max_len)  # [seqs, L, kv_heads, d]
+    v = gather_context(kv_cache[1], block_tables, max_len)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [seqs, kv_heads, group, L]
+    beyond = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [seqs, kv_heads, group, d]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [tokens, heads, d]
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context.
+
+    ``k``/``v`` (the new tokens' keys and values) let a sequence with no earlier context skip
+    reading them back from the cache; the result is the same either way.
+    """
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        query_len = end - start
+        qi = q[start:end].transpose(0, 1)  # [heads, query_len, d]
+        if query_len == seq_len and k is not None:
+            ki, vi = k[start:end], v[start:end]
+        else:
+            table = block_tables[i : i + 1]
+            ki = gather_context(kv_cache[0], table, seq_len)[0]
+            vi = gather_context(kv_cache[1], table, seq_len)[0]
+        ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [kv_heads, seq_len, d]
+        if query_len == seq_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # query j sits at position (seq_len - query_len + j): it sees keys up to there
+            first = seq_len - query_len
+            rows = torch.arange(query_len, device=q.device)[:, None] + first
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float):
+        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        nd, ndt = metadata.num_decodes, metadata.num_decode_tokens
+        if nd:
+            out[:ndt] = paged_decode_attention(
+                q[:ndt], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale,
+                max_seq_len=max(metadata.seq_lens_cpu[:nd]),
+            )
+        if metadata.num_prefills:
+            qsl = metadata.query_start_loc_cpu
+            base = qsl[nd]
+            out[ndt : metadata.num_actual_tokens] = paged_prefill_attention(
+                q[base : metadata.num_actual_tokens],
+                kv_cache,
+                [s - base for s in qsl[nd:]],
+                metadata.seq_lens_cpu[nd:],
+                metadata.block_tables[nd:],
+                scale,
+                k[base : metadata.num_actual_tokens],
+                v[base : metadata.num_actual_tokens],
+            )
+        return out

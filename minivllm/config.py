@@ -1,0 +1,251 @@
+"""Engine arguments (what a user may set) and the resolved engine configuration.
+
+``EngineArgs`` keeps vLLM's names so a learner can carry flags between the two projects.
+``EngineArgs.create_config()`` resolves every "auto" in one place — the device, the dtype, the
+attention backend, the token budget — and rejects impossible combinations with a ``ValueError``
+that names the field, before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minivllm.model.config import ModelConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+SCHEDULERS = ("v1", "v0")
+ATTENTION_BACKENDS = ("torch", "triton")
+HASH_ALGOS = ("sha256", "xxhash")
+
+# Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
+# decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
+# compute/bandwidth ridge point: a few hundred tokens on a datacenter GPU, far fewer on a laptop
+# CPU (chapter 05 measures it).
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine. ``None`` / "auto" means: choose for this machine."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # defaults to the model folder
+    revision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # CPU default: 1 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    # scheduling
+    scheduler: str = "v1"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    # execution
+    attention_backend: str | None = None  # None: "triton" on CUDA, "torch" elsewhere
+    enforce_eager: bool = False
+    compile: bool = False
+    multiprocess: bool = False
+    # injectable components (the course's exercises plug the learner's classes in here)
+    scheduler_cls: type | None = None
+    kv_cache_manager_cls: type | None = None
+    block_pool_cls: type | None = None
+    sampler_cls: type | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_config(self) -> "EngineConfig":
+        self._check_types()
+        from minivllm.model_hub import resolve_model
+
+        model_path = resolve_model(self.model, revision=self.revision)
+        model_config = ModelConfig.from_pretrained(model_path)
+
+        device = _resolve_device(self.device)
+        dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
+
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+
+        chunked = self.enable_chunked_prefill and self.scheduler == "v1"
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            base = DEFAULT_BATCHED_TOKENS["cuda" if device.type == "cuda" else "cpu"]
+            budget = base if chunked else max(max_model_len, base)
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        if not chunked and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_model_len}): without chunked prefill a whole prompt must fit in one step. "
+                "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
+            )
+
+        backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+        return EngineConfig(
+            model_path=model_path,
+            tokenizer_path=self.tokenizer or model_path,
+            model_config=model_config,
+            device=device,
+            dtype=dtype,
+            seed=self.seed,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            scheduler=self.scheduler,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            attention_backend=backend,
+            use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
+            compile=self.compile,
+            multiprocess=self.multiprocess,
+            scheduler_cls=self.scheduler_cls,
+            kv_cache_manager_cls=self.kv_cache_manager_cls,
+            block_pool_cls=self.block_pool_cls,
+            sampler_cls=self.sampler_cls,
+        )
+
+    def _check_types(self) -> None:
+        def need_int(name: str, lo: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path or a hub name (str), got {self.model!r}")
+        need_int("seed", 0)
+        need_int("block_size", 1)
+        need_int("num_kv_blocks", 1, optional=True)
+        need_int("kv_cache_memory_bytes", 1, optional=True)
+        need_int("max_num_seqs", 1)
+        need_int("max_num_batched_tokens", 1, optional=True)
+        need_int("max_model_len", 2, optional=True)
+        need_int("long_prefill_token_threshold", 0)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
+        if self.prefix_caching_hash_algo == "xxhash":
+            try:
+                import xxhash  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "prefix_caching_hash_algo='xxhash' needs the xxhash package: pip install xxhash"
+                ) from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                     "compile", "multiprocess"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """The knobs a scheduler reads (also used without a model, by the simulator)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class EngineConfig:
+    """The resolved configuration every engine component reads (no "auto" left)."""
+
+    model_path: str
+    tokenizer_path: str
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    block_size: int
+    num_kv_blocks: int | None
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    scheduler: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    attention_backend: str
+    use_cuda_graph: bool
+    compile: bool
+    multiprocess: bool
+    scheduler_cls: type | None = None
+    kv_cache_manager_cls: type | None = None
+    block_pool_cls: type | None = None
+    sampler_cls: type | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    return dev
+
+
+def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32  # CPUs run fp32 fastest and exactly
+    # on a GPU, keep the checkpoint's half type; float32 checkpoints serve in bfloat16
+    return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

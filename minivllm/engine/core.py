@@ -1,0 +1,113 @@
+"""The engine core: scheduler + model runner + the step loop. Token ids in, token ids out.
+
+``EngineCore.step()`` is the heartbeat of the whole system:
+
+    scheduler.schedule()  ->  model_runner.execute_model()  ->  scheduler.update_from_output()
+
+It knows nothing of text, HTTP or asyncio, which is what lets it run in a process of its own
+(chapter 07) while the front end tokenizes and streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from minivllm.config import EngineConfig
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.request import EngineCoreRequest, Request
+from minivllm.core.scheduler import Scheduler
+from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.worker.model_runner import ModelRunner
+
+SCHEDULER_CLASSES = {"v1": Scheduler, "v0": PhaseSeparatedScheduler}
+MAX_TRACE_STEPS = 100_000
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config, show_progress=show_progress)
+        num_blocks = self.model_runner.determine_num_blocks()
+        needed = cdiv(config.max_model_len, config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) needs {needed} KV blocks of "
+                f"{config.block_size} tokens, but the KV cache holds only {num_blocks}: lower "
+                "max_model_len, or raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+        self.model_runner.initialize_kv_cache(num_blocks)
+        kv_cache_manager = (config.kv_cache_manager_cls or KVCacheManager)(
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo,
+            block_pool_cls=config.block_pool_cls or BlockPool,
+        )
+        scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
+        self.scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
+        self.num_steps = 0
+        self.step_trace: deque[dict] = deque(maxlen=MAX_TRACE_STEPS)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        start = time.time()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        kinds = self._step_kinds(scheduler_output)
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        end = time.time()
+        for out in outputs:
+            out.timestamp = end
+        self.num_steps += 1
+        self.step_trace.append(
+            {
+                "step": self.num_steps,
+                "start_time": start,
+                "duration_s": end - start,
+                "token_budget": scheduler_output.token_budget,
+                "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
+                "scheduled": [
+                    (s.request_id, s.num_tokens, kind)
+                    for s, kind in zip(scheduler_output.scheduled, kinds)
+                ],
+                "preempted": list(scheduler_output.preempted_req_ids),
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.scheduler.kv_cache_manager.num_blocks
+                - self.scheduler.kv_cache_manager.get_num_free_blocks(),
+            }
+        )
+        return outputs
+
+    def _step_kinds(self, scheduler_output) -> list[str]:
+        """Label each scheduled entry "decode" (one new output token) or "prefill" (a chunk)."""
+        kinds = []
+        for s in scheduler_output.scheduled:
+            request = self.scheduler.requests[s.request_id]
+            decoding = s.num_tokens == 1 and s.num_computed_tokens >= request.num_prompt_tokens
+            kinds.append("decode" if decoding else "prefill")
+        return kinds
+
+    def get_stats(self) -> dict:
+        return {**self.scheduler.get_stats(), "num_steps": self.num_steps}
+
+    def get_step_trace(self) -> list[dict]:
+        return list(self.step_trace)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()

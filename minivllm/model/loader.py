@@ -1,0 +1,108 @@
+"""Load a checkpoint's safetensors into the from-scratch model, by name.
+
+The model is built on the ``meta`` device (no memory, no random init), materialised empty on
+the target device, then every parameter is filled from the checkpoint. Nothing is left
+uninitialised silently: a missing tensor is an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from minivllm.model.config import ModelConfig
+from minivllm.model.llama import LlamaForCausalLM
+
+_MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
+
+
+def _checkpoint_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {folder!r}")
+    return files
+
+
+def load_model(
+    folder: str,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    show_progress: bool = True,
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = _MODEL_CLASSES[config.family](config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty() unties shared parameters: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, folder, show_progress=show_progress)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, folder: str, show_progress: bool = True) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    files = _checkpoint_files(folder)
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                bar.update(1)
+                if "rotary_emb.inv_freq" in name:
+                    continue  # a cache some checkpoints carry; we recompute it
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                target, shard = _target(model, name)
+                if target not in params:
+                    raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
+                tensor = f.get_tensor(name)
+                param = params[target]
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"model: {name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                    loaded.add(target)
+                else:
+                    packed = target.split(".")[-2]
+                    sizes = model.shard_sizes(packed)
+                    param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+                    loaded.add(f"{target}#{shard}")
+    bar.close()
+    missing = []
+    for name, param in model.named_parameters():
+        packed = name.split(".")[-2]
+        if packed in ("qkv_proj", "gate_up_proj"):
+            n = len(model.shard_sizes(packed))
+            missing += [f"{name}#{s}" for s in range(n) if f"{name}#{s}" not in loaded]
+        elif name not in loaded and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"model: the checkpoint in {folder!r} lacks {missing[:5]} ...")
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (parameter name in our model, shard index inside a packed one)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.packed_modules:
+            packed, shard = model.packed_modules[part]
+            return ".".join(parts[:i] + [packed] + parts[i + 1 :]), shard
+    return name, None

@@ -1,0 +1,76 @@
+"""From logits to next tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Every row of the batch may have its own parameters, so everything is done with per-row
+tensors, no Python loop over requests (except to draw seeded noise, below).
+
+Sampling uses the "exponential race": draw q ~ Exp(1) per token and take argmax(p / q). The
+winner is distributed exactly as p (chapter 02 proves it), and the noise q can come from a
+request's *own* ``torch.Generator`` — so a request with a seed gets the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [rows] float32; < 1e-5 means greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [rows] int64, 0 = off; None: no row uses it
+    top_p: torch.Tensor | None = None  # [rows] float32, 1 = off; None: no row uses it
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded RNG
+    generator: torch.Generator | None = None  # for rows without a seed
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf (one sort serves both)."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth_largest = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= (1 - top_p).unsqueeze(1)  # the unlikely tail, mass <= 1 - p
+        outside[:, -1] = False  # the most likely token always stays
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=generator)
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exact 0 would make 0/0 for masked tokens
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        is_greedy = meta.temperature < _EPS
+        temperature = torch.where(is_greedy, 1.0, meta.temperature)
+        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), meta.top_k, meta.top_p)
+        sampled = exponential_race(logits.softmax(dim=-1), meta.generators, meta.generator)
+        return torch.where(is_greedy, greedy, sampled)

@@ -1,0 +1,99 @@
+"""How to pick the next token, and when to stop: the per-request knobs.
+
+Names and defaults follow vLLM's ``SamplingParams`` so code written against one runs on the
+other. Validation happens here, once, so the engine never sees a request it cannot serve: a bad
+value raises ``ValueError`` naming the field before any KV block is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+_EPS = 1e-5  # temperatures below this are treated as greedy
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request.
+
+    temperature: 0 means greedy (argmax); higher flattens the distribution.
+    top_p: keep the smallest set of tokens whose probability adds up to ``top_p`` (1 = off).
+    top_k: keep the ``top_k`` most likely tokens (0 or -1 = off).
+    max_tokens: the most tokens to generate.
+    min_tokens: generate at least this many before EOS / stop tokens may end the request.
+    stop: strings that end generation; the text returned stops before them.
+    stop_token_ids: token ids that end generation (besides EOS).
+    ignore_eos: keep generating past the EOS token (benchmarks use it for fixed lengths).
+    seed: a request with a seed samples the same tokens whatever else shares its batch.
+    skip_special_tokens: drop special tokens from the returned text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # filled in by the engine: every token id that ends this request (EOS + stop_token_ids)
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    def clone(self) -> "SamplingParams":
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        kwargs["stop"] = list(self.stop)
+        kwargs["stop_token_ids"] = list(self.stop_token_ids)
+        return SamplingParams(**kwargs)
