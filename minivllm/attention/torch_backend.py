@@ -36,9 +36,12 @@ def gather_context(
 ) -> torch.Tensor:
     """[num_blocks, block_size, kv_heads, d] + [seqs, blocks] -> [seqs, num_tokens, kv_heads, d]."""
     block_size = cache.shape[1]
+    num_seqs = block_tables.shape[0]
     num_blocks = -(-num_tokens // block_size)
-    ctx = cache[block_tables[:, :num_blocks].long()]  # [seqs, blocks, block_size, kv_heads, d]
-    return ctx.flatten(1, 2)[:, :num_tokens]
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    # index_select copies whole blocks (contiguous memory): far faster than fancy indexing
+    ctx = torch.index_select(cache, 0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
+    return ctx[:, :num_tokens]
 
 
 def paged_decode_attention(
@@ -104,28 +107,37 @@ def paged_prefill_attention(
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Decodes in small groups of similar length (little padding, context stays in CPU cache);
+    prefill chunks one sequence at a time."""
+
     name = "torch"
+    decode_group_size = 8
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float):
         write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
-        nd, ndt = metadata.num_decodes, metadata.num_decode_tokens
+        nd = metadata.num_decodes
         if nd:
-            out[:ndt] = paged_decode_attention(
-                q[:ndt], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale,
-                max_seq_len=max(metadata.seq_lens_cpu[:nd]),
-            )
+            lens = metadata.seq_lens_cpu[:nd]
+            order = sorted(range(nd), key=lens.__getitem__)
+            for start in range(0, nd, self.decode_group_size):
+                group = order[start : start + self.decode_group_size]
+                rows = torch.tensor(group, device=q.device)
+                out[rows] = paged_decode_attention(
+                    q[rows], kv_cache, metadata.block_tables[rows], metadata.seq_lens[rows],
+                    scale, max_seq_len=lens[group[-1]],
+                )
         if metadata.num_prefills:
             qsl = metadata.query_start_loc_cpu
-            base = qsl[nd]
-            out[ndt : metadata.num_actual_tokens] = paged_prefill_attention(
-                q[base : metadata.num_actual_tokens],
+            base, end = qsl[nd], metadata.num_actual_tokens
+            out[base:end] = paged_prefill_attention(
+                q[base:end],
                 kv_cache,
                 [s - base for s in qsl[nd:]],
                 metadata.seq_lens_cpu[nd:],
                 metadata.block_tables[nd:],
                 scale,
-                k[base : metadata.num_actual_tokens],
-                v[base : metadata.num_actual_tokens],
+                k[base:end],
+                v[base:end],
             )
         return out
