@@ -1,0 +1,43 @@
+"""The package installs everywhere it should, with every subpackage and no stray floors."""
+
+import os
+import re
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_every_subpackage_is_listed():
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "minivllm")):
+        if "__init__.py" in files:
+            found.add(os.path.relpath(dirpath, ROOT).replace(os.sep, "."))
+    assert found | {"minivllm.kernels"} == listed
+
+
+def test_triton_has_a_linux_marker_and_no_floor_above_the_gpu_machine():
+    deps = _pyproject()["project"]["dependencies"]
+    triton = [d for d in deps if d.startswith("triton")]
+    assert triton and "sys_platform == 'linux'" in triton[0]
+    limits = {"torch": (2, 11), "triton": (3, 6), "transformers": (5, 17)}
+    for dep in deps:
+        m = re.match(r"(torch|triton|transformers)>=(\d+)\.(\d+)", dep)
+        if m:
+            assert (int(m[2]), int(m[3])) <= limits[m[1]], dep
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    m = re.search(r"<!-- test-command -->\s*```bash\n(.+?)\n```", readme, re.S)
+    assert m, "README must mark its test command with <!-- test-command -->"
+    assert m[1].strip() in ci
