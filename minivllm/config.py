@@ -9,8 +9,7 @@ that names the field, before any weight is loaded.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +39,7 @@ class EngineArgs:
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
+    skip_tokenizer_init: bool = False  # token ids in, token ids out (no text)
     revision: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -108,6 +108,7 @@ class EngineArgs:
         return EngineConfig(
             model_path=model_path,
             tokenizer_path=self.tokenizer or model_path,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             model_config=model_config,
             device=device,
             dtype=dtype,
@@ -174,7 +175,7 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
                      "compile", "multiprocess"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -197,6 +198,7 @@ class EngineConfig:
 
     model_path: str
     tokenizer_path: str
+    skip_tokenizer_init: bool
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
@@ -221,7 +223,6 @@ class EngineConfig:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
