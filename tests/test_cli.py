@@ -37,3 +37,29 @@ def test_bench_throughput_small(tiny_llama, tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(path.read_text())
     assert result["speedup_vs_transformers"] > 0 and result["output_tokens"] >= 16
+
+
+def test_bench_long_prompt_and_shared_prefix_small(tiny_llama, tmp_path):
+    import json
+
+    lp = tmp_path / "lp.json"
+    out = _run("bench", "long-prompt", "--model", tiny_llama, "--num-chats", "3",
+               "--long-prompt-len", "64", "--chunk-sizes", "8", "--steady-steps", "3",
+               "--json", str(lp))
+    assert out.returncode == 0, out.stderr
+    runs = json.loads(lp.read_text())["runs"]
+    assert set(runs) == {"v0", "v1-chunk8"} and all(r["num_window_gaps"] > 0 for r in runs.values())
+    sp = tmp_path / "sp.json"
+    out = _run("bench", "shared-prefix", "--model", tiny_llama, "--num-requests", "4",
+               "--prefix-len", "64", "--json", str(sp))
+    assert out.returncode == 0, out.stderr
+    r = json.loads(sp.read_text())
+    assert r["same_tokens"] and r["caching_on"]["peak_kv_blocks_used"] == r["expected_blocks_shared"]
+    assert r["caching_off"]["peak_kv_blocks_used"] > r["caching_on"]["peak_kv_blocks_used"]
+
+
+def test_bench_sim_small(tmp_path):
+    out = _run("bench", "sim", "--num-decoding", "8", "--long-prompt-len", "2048",
+               "--chunk-sizes", "256", "--num-sessions", "20", "--system-prompt-len", "2000")
+    assert out.returncode == 0, out.stderr
+    assert "v1-256" in out.stdout and "system prompt" in out.stdout

@@ -12,6 +12,8 @@ import importlib
 BENCHMARKS = {
     "throughput": "minivllm.benchmarks.throughput",
     "sim": "minivllm.benchmarks.sim",
+    "long-prompt": "minivllm.benchmarks.long_prompt",
+    "shared-prefix": "minivllm.benchmarks.shared_prefix",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from minivllm.benchmarks.common import percentile
+from minivllm.benchmarks.common import percentile, stall_window
 from minivllm.config import SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
@@ -60,15 +60,10 @@ def long_prompt_stall(
     records = sim.run()
 
     long = records["long"]
-    window_end = long.token_times[0]
-    before, window = [], []
-    for i in range(num_decoding):
-        t = records[f"chat-{i}"].token_times
-        for a, b in zip(t, t[1:]):
-            if long_prompt_arrival - 1.0 < b <= long_prompt_arrival:
-                before.append(b - a)
-            elif long_prompt_arrival < b and a < window_end:
-                window.append(b - a)
+    before, window = stall_window(
+        [records[f"chat-{i}"].token_times for i in range(num_decoding)],
+        long_prompt_arrival, long.token_times[0], steady_span=1.0,
+    )
     steady = percentile(before, 50)
     return {
         "scheduler": scheduler,
