@@ -82,12 +82,16 @@ class LLM:
 
     def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        # validate everything first: a bad prompt in the batch must not leave the others queued
-        processed = [engine.processor.process("check", p, sp) for p, sp in zip(prompts, params)]
         ids = [str(next(self._counter)) for _ in prompts]
-        for rid, (core_req, _), p, sp in zip(ids, processed, prompts, params):
-            engine.add_request(rid, {"prompt_token_ids": core_req.prompt_token_ids,
-                                     "prompt": _text(p)}, sp)
+        added: list[str] = []
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, sp)
+                added.append(rid)
+        except BaseException:
+            # a bad prompt in the batch must not leave the others queued
+            engine.abort_request(added)
+            raise
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
@@ -104,9 +108,3 @@ class LLM:
             bar.close()
         return [finished[r] for r in ids]
 
-
-def _text(prompt) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    text = prompt.get("prompt") if isinstance(prompt, dict) else None
-    return text if isinstance(text, str) else None
