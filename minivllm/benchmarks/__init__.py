@@ -11,6 +11,7 @@ import importlib
 # subcommand -> module in this package that defines add_parser(subparsers, add_engine_args)
 BENCHMARKS = {
     "throughput": "minivllm.benchmarks.throughput",
+    "kernels": "minivllm.benchmarks.kernels",
 }
 
 
