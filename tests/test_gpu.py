@@ -140,12 +140,23 @@ def test_triton_backend_matches_torch_on_gpu(gpu_models, family):
                                       custom_ops="none"))
 
 
-def test_cuda_graphs_match_eager_and_are_replayed(gpu_models):
+def test_cuda_graphs_match_eager_and_are_replayed(gpu_models, monkeypatch):
+    from minivllm.worker.cuda_graphs import DecodeCudaGraphs
     from tests.test_triton_backend import _runner
 
+    replayed = []
+    original_run = DecodeCudaGraphs.run
+
+    def run(self, input_ids, positions, meta):
+        size = self.padded_size(meta.num_seqs)
+        replayed.append((meta.num_seqs, size, size in self.graphs))
+        return original_run(self, input_ids, positions, meta)
+
+    monkeypatch.setattr(DecodeCudaGraphs, "run", run)
     graphs_run = _gpu_run(gpu_models["qwen3"])
     graphs = _runner(graphs_run[0]).cuda_graphs
     assert graphs is not None and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4]
+    assert (3, 4, True) in replayed and all(captured for _, _, captured in replayed)
     eager_run = _gpu_run(gpu_models["qwen3"], enforce_eager=True)
     assert _runner(eager_run[0]).cuda_graphs is None
     _assert_same(graphs_run, eager_run)
