@@ -235,3 +235,29 @@ def test_compile_gives_the_same_tokens_and_logits(tiny_models):
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+# -- the command line ----------------------------------------------------------------------------
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_custom_ops_flag(tiny_llama):
+    out = _cli("generate", "hi", "--model", tiny_llama, "--max-tokens", "3", "--custom-ops", "all")
+    assert out.returncode == 0, out.stderr
+    no_interpreter = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = _cli("generate", "hi", "--model", tiny_llama, "--max-tokens", "3",
+               "--attention-backend", "triton", env=no_interpreter)
+    assert out.returncode == 2 and "TRITON_INTERPRET" in out.stderr, out.stderr
+
+
+def test_cli_bench_kernels_quick(tmp_path):
+    import json
+
+    out = _cli("bench", "kernels", "--quick", "--json", str(tmp_path / "k.json"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert [r["context"] for r in result["decode"]] == [64, 200]
+    assert all(r["achieved_GBps"] > 0 for r in result["decode"])
+    assert result["interpreter"] == (not torch.cuda.is_available())
