@@ -25,6 +25,7 @@ _DTYPES = {
 SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
+CUSTOM_OPS = ("auto", "all", "none")
 
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
@@ -62,6 +63,11 @@ class EngineArgs:
     attention_backend: str | None = None  # None: "triton" on CUDA, "torch" elsewhere
     enforce_eager: bool = False
     compile: bool = False
+    # the fused Triton kernels for RMSNorm (+ residual add), rotary embedding and SiLU-and-mul
+    # (vLLM's compilation_config.custom_ops, all or nothing here): "all" uses them, "none" the
+    # plain-torch ops, "auto" uses them exactly when attention runs on Triton and compile is off
+    # (with compile=True, torch.compile fuses the plain-torch ops instead)
+    custom_ops: str = "auto"
     multiprocess: bool = False
     # injectable components (the course's exercises plug the learner's classes in here)
     scheduler_cls: type | None = None
@@ -101,9 +107,7 @@ class EngineArgs:
                 "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
 
-        backend = self.attention_backend or ("triton" if device.type == "cuda" else "torch")
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        backend, use_custom_ops = self._resolve_kernels(device)
 
         return EngineConfig(
             model_path=model_path,
@@ -133,7 +137,39 @@ class EngineArgs:
             kv_cache_manager_cls=self.kv_cache_manager_cls,
             block_pool_cls=self.block_pool_cls,
             sampler_cls=self.sampler_cls,
+            use_custom_ops=use_custom_ops,
         )
+
+    def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
+        """The one place that picks the attention backend and the elementwise kernels.
+
+        Default: Triton on CUDA when triton is installed, plain torch elsewhere. Asking for
+        Triton where it cannot run is an error that says what is missing.
+        """
+        from minivllm.kernels import triton_unavailable_reason
+
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.custom_ops not in CUSTOM_OPS:
+            raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
+        missing = triton_unavailable_reason(device.type)
+        backend = self.attention_backend or (
+            "triton" if device.type == "cuda" and missing is None else "torch")
+        if backend == "triton" and missing:
+            raise ValueError(f"attention_backend='triton' cannot run here: {missing}")
+        if self.custom_ops == "all":
+            if missing:
+                raise ValueError(f"custom_ops='all' cannot run here: {missing}")
+            if self.compile:
+                raise ValueError(
+                    "custom_ops='all' and compile=True both replace the elementwise ops: "
+                    "choose one (compile=True with custom_ops='auto' or 'none')"
+                )
+        use_custom_ops = self.custom_ops == "all" or (
+            self.custom_ops == "auto" and backend == "triton" and not self.compile)
+        return backend, use_custom_ops
 
     def _check_types(self) -> None:
         def need_int(name: str, lo: int, optional: bool = False) -> None:
@@ -223,6 +259,7 @@ class EngineConfig:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    use_custom_ops: bool = False  # fused Triton elementwise kernels (resolved from custom_ops)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

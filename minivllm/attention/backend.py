@@ -49,9 +49,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Implement ``forward``; ``name`` is what ``LLM(attention_backend=...)`` selects."""
+    """Implement ``forward``; ``name`` is what ``LLM(attention_backend=...)`` selects.
+
+    ``supports_cuda_graph``: True if ``forward`` never syncs with the host and sizes its work
+    only from the metadata's Python ints, so the model runner may capture decode steps in CUDA
+    graphs (replayed later with new tensor contents).
+    """
 
     name: str = "abstract"
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def forward(

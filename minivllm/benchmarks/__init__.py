@@ -14,6 +14,7 @@ BENCHMARKS = {
     "sim": "minivllm.benchmarks.sim",
     "long-prompt": "minivllm.benchmarks.long_prompt",
     "shared-prefix": "minivllm.benchmarks.shared_prefix",
+    "kernels": "minivllm.benchmarks.kernels",
 }
 
 

@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="torch.compile the model's elementwise parts")
+    g.add_argument("--custom-ops", default="auto", choices=["auto", "all", "none"],
+                   help="fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
+                        "Triton attention backend, unless --compile)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

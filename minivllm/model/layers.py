@@ -3,6 +3,12 @@
 Every block works on a *flattened* batch: tokens of many sequences stacked along dim 0, no
 padding, each token carrying its own position. That is what lets one forward pass mix a
 512-token prefill chunk with 60 single-token decodes.
+
+The elementwise blocks (RMSNorm, rotary embedding, SiLU-and-mul) keep their math in plain
+functions (``rms_norm``, ``rotary_embedding``, ``silu_and_mul``) and call it through ``self.op``.
+The model runner may swap ``op`` for a fused Triton kernel of the same signature
+(``minivllm.kernels``) or for a ``torch.compile``d version of the function: see
+``use_elementwise_ops`` and the ``custom_ops`` / ``compile`` engine arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x / rms(x) * weight over the last dim, in float32; with ``residual``: norm(x + residual)
+    and the new residual stream ``x + residual``."""
+    if residual is not None:
+        x = x + residual
+        return rms_norm(x, weight, eps), x
+    dtype = x.dtype
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm: x / rms(x) * weight, computed in float32.
 
@@ -21,24 +41,18 @@ class RMSNorm(nn.Module):
     — the fused "add + norm" that every decoder layer does twice (and a Triton kernel fuses).
     """
 
+    op_name = "rms_norm"
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        self.op = rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return self.op(x, self.weight, self.eps, residual)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -58,6 +72,19 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, interpolated, slowed)
 
 
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads, d] and k [tokens, kv_heads, d] by their tokens' positions.
+
+    ``cos_sin_cache`` is [max_position, d] float32: cos in the first half, sin in the second.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = cos.unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim/2]
+    sin = sin.unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE), "neox" layout: the head dim splits into two halves.
 
@@ -65,6 +92,8 @@ class RotaryEmbedding(nn.Module):
     for every position up to ``max_position`` is computed once (float32) and indexed per token,
     so tokens of different sequences at different positions rotate in one call.
     """
+
+    op_name = "rotary_embedding"
 
     def __init__(
         self,
@@ -74,6 +103,7 @@ class RotaryEmbedding(nn.Module):
         scaling: dict | None = None,
     ) -> None:
         super().__init__()
+        self.op = rotary_embedding
         self.head_dim = head_dim
         self.max_position = max_position
         self.base = base
@@ -98,10 +128,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache(q.device)[positions].chunk(2, dim=-1)
-        cos = cos.unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim/2]
-        sin = sin.unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.op(positions, q, k, self.cos_sin_cache(q.device))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,9 +136,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] holding [gate | up] side by side -> silu(gate) * up, [..., d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: input is [gate | up] side by side; output silu(gate) * up."""
 
+    op_name = "silu_and_mul"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = silu_and_mul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.op(x)
+
+
+# the plain-torch elementwise ops, by the name each module's ``op_name`` gives
+NATIVE_OPS = {"rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
+              "silu_and_mul": silu_and_mul}
+
+
+def use_elementwise_ops(model: nn.Module, ops: dict) -> None:
+    """Point every elementwise module of ``model`` at ``ops[module.op_name]`` (same signature as
+    the native function): fused Triton kernels, compiled functions, or ``NATIVE_OPS`` again."""
+    for module in model.modules():
+        name = getattr(module, "op_name", None)
+        if name in ops:
+            module.op = ops[name]

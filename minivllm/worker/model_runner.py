@@ -8,7 +8,10 @@ Per step it builds, from the scheduled requests (decodes first, then prefill chu
 * ``logits_indices`` — the last token of each request that samples this step: only those rows
   go through the lm_head.
 
-It also owns the KV cache tensors (one per layer) and binds them to the attention layers.
+It also owns the KV cache tensors (one per layer) and binds them to the attention layers,
+picks the elementwise ops (fused Triton kernels, ``torch.compile``, or plain torch: one switch,
+``EngineConfig.use_custom_ops`` / ``compile``), and on CUDA replays decode steps from CUDA
+graphs (``minivllm/worker/cuda_graphs.py``; off with ``enforce_eager=True``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import torch
 from minivllm.attention.backend import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
+from minivllm.worker.cuda_graphs import DecodeCudaGraphs
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 
@@ -37,6 +42,15 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(config.attention_backend)
         for layer in self.model.attention_layers():
             layer.backend = self.attention_backend
+        if config.use_custom_ops:
+            from minivllm.kernels import triton_elementwise_ops
+
+            use_elementwise_ops(self.model, triton_elementwise_ops())
+        elif config.compile:
+            # dynamic: one compiled graph serves every batch size
+            use_elementwise_ops(self.model, {name: torch.compile(fn, dynamic=True)
+                                             for name, fn in NATIVE_OPS.items()})
+        self.cuda_graphs: DecodeCudaGraphs | None = None
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -73,13 +87,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward over ``max_num_batched_tokens`` tokens with a throwaway 1-block cache."""
+        """A forward over ``max_num_batched_tokens`` tokens with a throwaway KV cache."""
         c = self.config.model_config
-        dummy = torch.zeros(2, 1, self.block_size, c.num_key_value_heads, c.head_dim,
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        # enough blocks for the block table to cover the whole sequence (kernels read through it)
+        num_blocks = -(-n // self.block_size)
+        dummy = torch.zeros(2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
                             dtype=self.config.dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = dummy
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = AttentionMetadata(
@@ -87,7 +103,7 @@ class ModelRunner:
             max_seq_len=n,
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
             query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
         )
@@ -106,6 +122,18 @@ class ModelRunner:
         ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
+        if self.config.use_cuda_graph and self.attention_backend.supports_cuda_graph:
+            self.capture_model()
+
+    def capture_model(self, capture: bool = True) -> None:
+        """Record decode steps as CUDA graphs (the graphs bind the KV cache tensors above).
+
+        ``capture=False`` keeps the padded static-buffer path but runs it eagerly (CPU tests).
+        """
+        c = self.config
+        self.cuda_graphs = DecodeCudaGraphs(self.model, c.max_num_seqs, c.max_model_len,
+                                            self.block_size, self.device, capture=capture)
+        self.cuda_graphs.capture()
 
     # -- one step --------------------------------------------------------------------------
     def prepare_inputs(self, scheduled: list[ScheduledRequest]):
@@ -187,7 +215,10 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-        hidden = self.model(input_ids, positions, meta)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            hidden = self.cuda_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         sampled: dict[str, list[int]] = {s.request_id: [] for s in scheduled}
         to_sample = [s for s in scheduled if s.sample]
         if to_sample:

@@ -1,0 +1,134 @@
+"""Attention for prefill chunks over the paged KV cache (variable-length, causal).
+
+Each sequence in the batch brings ``query_len`` new tokens (a whole prompt, one chunk of a long
+prompt under chunked prefill, or the tail after a prefix-cache hit); its context is
+``seq_len`` tokens, the first ``seq_len - query_len`` computed earlier and already in the
+cache. The new tokens' K/V were written to the cache just before (reshape_and_cache), so the
+kernel reads *all* keys and values from the blocks: one code path for a fresh prompt, a later
+chunk, and a prefix hit.
+
+Grid (heads, query tiles, seqs): a program takes BLOCK_M new tokens of one sequence for one
+query head, walks that sequence's keys in tiles of BLOCK_N (looking each token's block up in the
+block table) with an online softmax, and stops at the last key its last query may see.
+Query j of the chunk sits at position ``seq_len - query_len + j`` and sees keys up to there.
+Heads are the fastest grid axis so the programs sharing a KV head (GQA) run side by side and
+find its K/V tiles in L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.attention.torch_backend import paged_prefill_attention as reference  # noqa: F401
+from minivllm.kernels.decode_attention import LOG2E, dot_precision
+
+BLOCK_M = 64  # query tokens per program
+BLOCK_N = 64  # key tokens per tile
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_off, stride_c_head,
+    stride_bt_seq,
+    block_size, head_dim,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_M >= query_len:  # the grid is sized for the longest chunk
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+    kv_head = head // GROUP
+
+    m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < query_len
+    q_pos = context_len + m  # each query's position in its sequence
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q_rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # keys past this tile's last query are masked for every row: don't even read them
+    kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_M)
+    for tile in range(0, kv_end, BLOCK_N):
+        t = tile + tl.arange(0, BLOCK_N)
+        t_mask = t < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + t // block_size,
+                        mask=t_mask, other=0).to(tl.int64)
+        row = block * stride_c_block + (t % block_size) * stride_c_off + kv_head * stride_c_head
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # finite from the first tile on: key 0 is visible to every row
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [tokens, heads, d]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, d], new K/V already written
+    query_start_loc: torch.Tensor | list[int],  # [seqs + 1]
+    seq_lens: torch.Tensor | list[int],  # [seqs]
+    block_tables: torch.Tensor,  # [seqs, max_blocks] int32
+    scale: float,
+    k: torch.Tensor | None = None,  # accepted for the reference's signature; the kernel reads
+    v: torch.Tensor | None = None,  # every key and value from the cache
+    max_query_len: int | None = None,  # sizes the grid; from a list it is free, else a host sync
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context, read from blocks."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if max_query_len is None:
+        if isinstance(query_start_loc, torch.Tensor):
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        else:
+            max_query_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
+    query_start_loc = torch.as_tensor(query_start_loc, dtype=torch.int32, device=q.device)
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1 and out.stride(-1) == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, seq_lens, query_start_loc,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        block_size, head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,83 @@
+"""Compile every Triton kernel for an H200 (CUDA sm_90) without a GPU: ``python tests/aot_compile.py``.
+
+The interpreter runs the kernels' arithmetic but not Triton's compiler: shape rules of ``tl.dot``,
+types, layouts. Triton ships ``ptxas``, so the full pipeline down to a cubin runs on any Linux
+machine. Must run without TRITON_INTERPRET (the kernels are then real JIT functions).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minivllm.kernels import activation, decode_attention, prefill_attention
+from minivllm.kernels import reshape_and_cache, rms_norm, rotary_embedding
+
+H200 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_gpu(fn, pointers: dict, floats=(), constexprs=None, num_warps=4, num_stages=3):
+    """Compile ``fn`` with pointer element types ``pointers``, fp32 ``floats``, i32 for the rest."""
+    constexprs = constexprs or {}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=H200,
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def main() -> int:
+    n = 0
+    for dt in ("fp32", "bf16", "fp16"):
+        prec = "ieee" if dt == "fp32" else "tf32"
+        # (GQA group, head_dim): Qwen3-0.6B, and a tiny test model's
+        for group, head_dim in ((2, 128), (2, 16)):
+            block_d = triton.next_power_of_2(head_dim)
+            kv = dict(k_cache_ptr=dt, v_cache_ptr=dt, block_tables_ptr="i32", seq_lens_ptr="i32")
+            for single in (True, False):
+                compile_for_gpu(
+                    decode_attention._decode_partition_kernel,
+                    dict(q_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32", out_ptr=dt, **kv),
+                    floats=("qk_scale",),
+                    constexprs=dict(GROUP=group, BLOCK_G=16, BLOCK_N=decode_attention.BLOCK_N,
+                                    BLOCK_D=block_d, DOT_PRECISION=prec, SINGLE_SPLIT=single))
+            compile_for_gpu(decode_attention._decode_reduce_kernel,
+                            dict(out_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32",
+                                 seq_lens_ptr="i32"),
+                            constexprs=dict(BLOCK_S=8, BLOCK_D=block_d), num_warps=2)
+            compile_for_gpu(prefill_attention._prefill_kernel,
+                            dict(q_ptr=dt, out_ptr=dt, query_start_loc_ptr="i32", **kv),
+                            floats=("qk_scale",),
+                            constexprs=dict(GROUP=group, BLOCK_M=prefill_attention.BLOCK_M,
+                                            BLOCK_N=prefill_attention.BLOCK_N, BLOCK_D=block_d,
+                                            DOT_PRECISION=prec), num_stages=2)
+            compile_for_gpu(reshape_and_cache._reshape_and_cache_kernel,
+                            dict(k_ptr=dt, v_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
+                                 slot_mapping_ptr="i64"),
+                            constexprs=dict(BLOCK_H=8, BLOCK_D=block_d))
+            n += 5
+        for has_residual in (True, False):
+            compile_for_gpu(rms_norm._rms_norm_kernel,
+                            dict(x_ptr=dt, residual_ptr=dt, out_ptr=dt, residual_out_ptr=dt,
+                                 weight_ptr=dt), floats=("eps",),
+                            constexprs=dict(HAS_RESIDUAL=has_residual, BLOCK_ROWS=2, BLOCK=1024))
+        compile_for_gpu(rotary_embedding._rotary_kernel,
+                        dict(positions_ptr="i64", x_ptr=dt, out_ptr=dt, cos_sin_ptr="fp32"),
+                        constexprs=dict(BLOCK_ROWS=32, BLOCK_HALF=64))
+        compile_for_gpu(activation._silu_and_mul_kernel, dict(x_ptr=dt, out_ptr=dt),
+                        constexprs=dict(BLOCK_ROWS=2, BLOCK=1024))
+        n += 4
+    print(f"compiled {n} kernel variants for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
