@@ -11,6 +11,8 @@ import importlib
 # subcommand -> module in this package that defines add_parser(subparsers, add_engine_args)
 BENCHMARKS = {
     "throughput": "minivllm.benchmarks.throughput",
+    "serve": "minivllm.benchmarks.serve",
+    "serve-compare": "minivllm.benchmarks.serve_compare",
 }
 
 
