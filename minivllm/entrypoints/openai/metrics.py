@@ -75,6 +75,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests, by finish reason.",
             labels + ["finished_reason"], registry=reg)
+        for reason in ("stop", "length"):  # present (at 0) from the start
+            self.request_success.labels(model_name, reason)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token (s).", labels,
             buckets=_TTFT_BUCKETS, registry=reg).labels(model_name)
