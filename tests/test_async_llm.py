@@ -198,6 +198,27 @@ def test_core_loop_error_fails_requests_inprocess(tiny_llama):
     asyncio.run(run())
 
 
+def test_output_handler_failure_fails_requests_instead_of_hanging(tiny_llama):
+    async def run():
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, max_model_len=512),
+                                           show_progress=False)
+
+        def broken(outputs):
+            raise KeyError("bug")
+
+        engine.output_processor.process_outputs = broken
+        try:
+            with pytest.raises(EngineDeadError, match="output handler failed"):
+                await asyncio.wait_for(_collect(engine, "Hi", GREEDY, "x"), 10)
+            assert engine.errored
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
 def test_multiprocess_llm_equals_inprocess(tiny_llama, offline):
     llm = LLM(tiny_llama, show_progress=False, max_model_len=512, multiprocess=True)
     try:

@@ -204,6 +204,24 @@ def test_bench_serve_long_prompt(server, tmp_path):
     assert result["total_input_tokens"] == 2 * 400 + 8 * 16
 
 
+def test_bench_serve_compare_runs_all_three_modes(tiny_llama, tmp_path):
+    path = tmp_path / "compare.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "minivllm.entrypoints.cli", "bench", "serve-compare",
+         "--server-args", f"{tiny_llama} --max-model-len 512", "--num-prompts", "8",
+         "--max-concurrency", "4", "--random-input-len", "8", "--random-output-len", "4",
+         "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(path.read_text())
+    (one,) = result["rounds"]
+    for mode in ("multiprocess", "inprocess"):
+        assert one[mode]["completed"] == 8 and one[mode]["total_output_tokens"] == 32
+        assert one[mode]["health"]["probes"] > 0
+    assert one["offline"]["total_output_tokens"] == 32
+    assert result["median_multiprocess_vs_inprocess_throughput"] == pytest.approx(
+        one["multiprocess"]["output_throughput"] / one["inprocess"]["output_throughput"])
+
+
 def test_killing_the_core_under_load_fails_cleanly(server):
     """Last in this file: the server is left without an engine (and must still stop cleanly)."""
     async def run():

@@ -5,7 +5,9 @@ The same workload (``bench serve``'s datasets and options), three ways on this m
 1. ``minivllm serve``: the engine core in its own process (the default);
 2. ``minivllm serve --no-multiprocess``: the same core on a thread of the API server's process,
    sharing its GIL with HTTP handling, tokenization and detokenization;
-3. offline ``LLM.generate`` on the same prompts and output lengths (no HTTP at all).
+3. offline ``LLM.generate`` on the same prompts and output lengths (no HTTP at all), with the
+   torch threads a server's engine core gets (on a CPU: all cores but one), so that only the
+   serving differs.
 
 Each server is started fresh, driven by the ``bench serve`` client (streaming requests, at most
 ``--max-concurrency`` in flight) while /health is probed every ``--health-interval`` seconds,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import statistics
 import time
 
 from minivllm.benchmarks.common import ServerProcess, machine_info, write_json
@@ -33,6 +36,7 @@ def add_parser(subparsers, add_engine_args=None) -> None:
                    help="`minivllm serve` flags for both servers and the offline engine, "
                         "e.g. '--max-num-seqs 128' or 'path/to/model --max-model-len 1024'")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--rounds", type=int, default=1, help="repeat the modes, interleaved")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=main)
 
@@ -62,9 +66,14 @@ def run_server_mode(args, requests, multiprocess: bool) -> dict:
 
 
 def run_offline(engine_kwargs: dict, requests) -> dict:
+    """``LLM.generate`` with the torch threads a server's engine core gets (same compute)."""
+    import torch
+
     from minivllm import LLM, SamplingParams
+    from minivllm.engine.core_proc import configure_cpu_threads
 
     llm = LLM(show_progress=False, **engine_kwargs)
+    configure_cpu_threads(llm.llm_engine.config)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
               for r in requests]
@@ -76,7 +85,8 @@ def run_offline(engine_kwargs: dict, requests) -> dict:
     assert out_tokens == sum(r.output_len for r in requests)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     llm.llm_engine.shutdown()
-    return {"duration_s": elapsed, "total_output_tokens": out_tokens,
+    return {"duration_s": elapsed, "torch_threads": torch.get_num_threads(),
+            "total_output_tokens": out_tokens,
             "request_throughput": len(requests) / elapsed,
             "output_throughput": out_tokens / elapsed,
             "total_token_throughput": (in_tokens + out_tokens) / elapsed}
@@ -98,26 +108,38 @@ def main(args) -> int:
               "num_prompts": len(requests), "max_concurrency": args.max_concurrency,
               "request_rate": str(args.request_rate)}
     failed = 0
-    for mode in args.modes:
-        if mode == "offline":
-            result[mode] = run_offline(kwargs, requests)
-            print(f"============ offline LLM.generate ============\n"
-                  f"output throughput (tok/s):  {result[mode]['output_throughput']:.1f}  "
-                  f"({result[mode]['duration_s']:.2f} s)")
-        else:
-            result[mode] = run_server_mode(args, requests, multiprocess=mode == "multiprocess")
-            failed += result[mode]["failed"]
-            print_summary(f"minivllm serve, {mode}", result[mode])
-    if "multiprocess" in result and "inprocess" in result:
-        result["multiprocess_vs_inprocess_throughput"] = (
-            result["multiprocess"]["output_throughput"] / result["inprocess"]["output_throughput"])
-    if "offline" in result:
-        for mode in ("multiprocess", "inprocess"):
-            if mode in result:
-                result[f"{mode}_vs_offline_throughput"] = (
-                    result[mode]["output_throughput"] / result["offline"]["output_throughput"])
-    for key, value in result.items():
-        if key.endswith("_throughput") and isinstance(value, float):
-            print(f"{key}: {value:.3f}")
+    rounds = []
+    for r in range(args.rounds):  # interleaved: a slow minute on a shared machine hits every mode
+        one = {}
+        for mode in args.modes:
+            title = f"round {r + 1}/{args.rounds}: "
+            if mode == "offline":
+                one[mode] = run_offline(kwargs, requests)
+                print(f"============ {title}offline LLM.generate ============\n"
+                      f"output throughput (tok/s):  {one[mode]['output_throughput']:.1f}  "
+                      f"({one[mode]['duration_s']:.2f} s, {one[mode]['torch_threads']} torch threads)")
+            else:
+                one[mode] = run_server_mode(args, requests, multiprocess=mode == "multiprocess")
+                failed += one[mode]["failed"]
+                print_summary(f"{title}minivllm serve, {mode}", one[mode])
+        one.update(_ratios(one))
+        rounds.append(one)
+    result["rounds"] = rounds
+    for key in rounds[0]:
+        if key.endswith("_throughput"):
+            result[f"median_{key}"] = statistics.median(one[key] for one in rounds)
+            print(f"{key}: " + ", ".join(f"{v:.3f}" for v in (one[key] for one in rounds)))
     write_json(args.json, result)
     return 0 if failed == 0 else 1
+
+
+def _ratios(one: dict) -> dict:
+    ratios = {}
+    if "multiprocess" in one and "inprocess" in one:
+        ratios["multiprocess_vs_inprocess_throughput"] = (
+            one["multiprocess"]["output_throughput"] / one["inprocess"]["output_throughput"])
+    for mode in ("multiprocess", "inprocess"):
+        if mode in one and "offline" in one:
+            ratios[f"{mode}_vs_offline_throughput"] = (
+                one[mode]["output_throughput"] / one["offline"]["output_throughput"])
+    return ratios

@@ -17,6 +17,7 @@ request: the core frees its KV blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import AsyncGenerator
 
 from minivllm.config import EngineArgs, EngineConfig
@@ -78,6 +79,7 @@ class AsyncLLM:
         self.scheduler_stats: dict | None = None  # the core's latest counters
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.output_handler: asyncio.Task | None = None
+        self.dead_error: EngineDeadError | None = None  # set when the output handler gave up
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = True, **kwargs) -> "AsyncLLM":
@@ -92,7 +94,7 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's cumulative output each time it has new text; the last is finished."""
         self._start_output_handler()
-        self.engine_core.check_alive()
+        await self.check_health()
         if request_id in self.collectors:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         core_request, text = self.processor.process(request_id, prompt, sampling_params)
@@ -142,22 +144,28 @@ class AsyncLLM:
                 finished = [o for o in request_outputs if o.finished]
                 for logger in self.stat_loggers:
                     logger.record(core.scheduler_stats, core.outputs, finished)
-        except EngineDeadError as e:
+        except Exception as e:
+            if not isinstance(e, EngineDeadError):  # a bug here: fail loudly, never hang
+                traceback.print_exc()
+                e = EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}")
+            self.dead_error = e
             for collector in self.collectors.values():
                 collector.put(e)
             self.output_processor.requests.clear()
 
     # -- health and inspection ---------------------------------------------------------------
     @property
-    def is_running(self) -> bool:
-        return not self.engine_core.is_dead
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.engine_core.is_dead
 
     @property
-    def errored(self) -> bool:
-        return self.engine_core.is_dead
+    def is_running(self) -> bool:
+        return not self.errored
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError if the core is gone."""
+        """Raises EngineDeadError if the core is gone (or the front end cannot reach it)."""
+        if self.dead_error is not None:
+            raise self.dead_error
         self.engine_core.check_alive()
 
     async def get_stats(self) -> dict:

@@ -99,15 +99,23 @@ class EngineCoreProc:
             return UtilityOutput(call_id, error=f"{type(e).__name__}: {e}")
 
 
+def engine_core_cpu_threads(config) -> int | None:
+    """On a CPU, the torch threads an engine core beside an API server should use: all cores
+    but one, which is left to the server. torch's worker threads wait for each other at every
+    op, so one of them losing its core to the server stalls the whole step. An explicit
+    OMP_NUM_THREADS wins (None: leave torch alone; on a GPU the core mostly launches kernels)."""
+    cpus = os.cpu_count() or 1
+    if config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cpus < 2:
+        return None
+    return cpus - 1
+
+
 def configure_cpu_threads(config) -> None:
-    """On a CPU, leave the API server one core: torch's worker threads wait for each other at
-    every op, so one of them losing its core to the server stalls the whole step. An explicit
-    OMP_NUM_THREADS wins. (On a GPU the core mostly launches kernels: nothing to do.)"""
     import torch
 
-    cpus = os.cpu_count() or 1
-    if config.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and cpus > 1:
-        torch.set_num_threads(min(torch.get_num_threads(), cpus - 1))
+    threads = engine_core_cpu_threads(config)
+    if threads is not None:
+        torch.set_num_threads(min(torch.get_num_threads(), threads))
 
 
 # -- the engine core process ------------------------------------------------------------------

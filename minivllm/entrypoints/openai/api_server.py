@@ -54,15 +54,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(RequestError(
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                    status=401, code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:  # only then: a middleware costs every request and every chunk
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return error_response(RequestError(
+                        "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                        status=401, code="invalid_api_key"))
+            return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -75,9 +77,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.errored:
-            return error_response(engine_dead_error(engine.engine_core.dead_error or
-                                                    EngineDeadError()))
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            return error_response(engine_dead_error(e))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -101,8 +104,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                 raise RequestError(f"malformed JSON in the request body: {e}") from None
             req, _ = parse_request(ChatCompletionRequest if chat else CompletionRequest, data)
             model = serving.check_model(req)
-            if engine.errored:
-                raise engine_dead_error(engine.engine_core.dead_error or EngineDeadError())
+            try:
+                await engine.check_health()
+            except EngineDeadError as e:
+                raise engine_dead_error(e) from None
             request_id = new_request_id(chat)
             inputs = serving.chat_inputs(req, request_id) if chat else \
                 serving.completion_inputs(req, request_id)
