@@ -101,6 +101,19 @@ def test_leaving_early_or_cancelling_aborts_and_frees_kv_blocks(engine, loop):
     loop.run_until_complete(run())
 
 
+def test_abort_from_outside_ends_the_stream(engine, loop):
+    async def run():
+        gen = engine.generate("Once upon a time", LONG, "ext")
+        first = await gen.__anext__()
+        assert not first.finished
+        await engine.abort("ext")
+        rest = [out async for out in gen]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        await _wait_until_idle(engine)
+
+    loop.run_until_complete(run())
+
+
 def test_stop_string_finishes_and_frees(engine, offline, loop):
     full = offline.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full.strip().split()[0]
@@ -284,3 +297,12 @@ def test_offline_llm_needs_no_server_packages(tiny_llama):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"
+
+
+def test_serve_without_server_packages_says_what_to_install():
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from minivllm.entrypoints.cli import main\n"
+            "sys.exit(main(['serve']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "pip install 'minivllm[serve]'" in out.stderr and "Traceback" not in out.stderr

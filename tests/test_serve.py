@@ -55,6 +55,31 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def test_serve_help_lists_vllm_flags():
+    out = subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduler", "--dtype",
+                 "--device", "--no-multiprocess"):
+        assert flag in out.stdout, flag
+
+
+def test_busy_port_is_a_clear_error_before_loading():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port",
+                              str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+    assert "Loading weights" not in out.stderr
+
+
 def test_start_up_prints_url_and_ready_line(server):
     out = "".join(server.stdout)
     assert "http://127.0.0.1:" in out and "ready" in out

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: workloads, machine description, JSON output."""
+"""Helpers shared by the benchmarks: workloads, machine description, JSON output, and a
+``minivllm serve`` child process (also used by the tests)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,15 @@ class AsyncLLM:
                 self._abort([request_id])
 
     async def abort(self, request_id: str | list[str]) -> None:
-        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+        """Abort requests from outside: their ``generate`` ends with finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        states = self.output_processor.abort_requests(ids)
+        self.engine_core.abort_requests(ids)
+        for state in states:
+            collector = self.collectors.get(state.request_id)
+            if collector is not None:
+                state.finish_reason = "abort"
+                collector.put(state.to_output())
 
     def _abort(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)
