@@ -15,6 +15,8 @@ BENCHMARKS = {
     "long-prompt": "minivllm.benchmarks.long_prompt",
     "shared-prefix": "minivllm.benchmarks.shared_prefix",
     "kernels": "minivllm.benchmarks.kernels",
+    "serve": "minivllm.benchmarks.serve",
+    "serve-compare": "minivllm.benchmarks.serve_compare",
 }
 
 

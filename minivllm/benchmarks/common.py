@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: workloads, machine description, JSON output."""
+"""Helpers shared by the benchmarks: workloads, machine description, JSON output, and a
+``minivllm serve`` child process (also used by the tests)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,73 @@ def stall_window(
             elif arrival < b and a < window_end:
                 window.append(b - a)
     return steady, window
+
+
+class ServerProcess:
+    """``minivllm serve ...`` as a child process: wait for its ready line, know its URL, stop it.
+
+    Start it with ``--port 0`` and the URL it prints is read back, so parallel runs never fight
+    over a port. Its stderr (progress bars, tracebacks) is kept for error messages.
+    """
+
+    READY = "minivllm serve: ready"
+
+    def __init__(self, serve_args: list[str], env: dict | None = None,
+                 command: list[str] | None = None) -> None:
+        """``serve_args``: the flags after ``minivllm serve``. ``command``: how to invoke
+        ``minivllm`` (default: this Python, ``-m minivllm.entrypoints.cli``)."""
+        import subprocess
+        import sys
+        import threading
+
+        command = command or [sys.executable, "-m", "minivllm.entrypoints.cli"]
+        self.argv = [*command, "serve", *serve_args]
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.url: str | None = None
+        self.ready = threading.Event()
+        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
+            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
+
+    def _read(self, stream, sink: list[str]) -> None:
+        import re
+
+        for line in stream:
+            sink.append(line)
+            m = re.search(r"API at (http://\S+)/v1", line)
+            if m:
+                self.url = m.group(1)
+            if line.startswith(self.READY):
+                self.ready.set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 600) -> str:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"`{' '.join(self.argv)}` did not become ready (exit code "
+                    f"{self.proc.returncode}):\n{''.join(self.stderr)[-3000:]}"
+                )
+        return self.url
+
+    def stop(self, sig: int | None = None, timeout: float = 30) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM if sig is None else sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -2,6 +2,7 @@
 
     minivllm generate "The capital of France is"
     minivllm generate --chat "Explain a KV cache in one paragraph."
+    minivllm serve                     # OpenAI-compatible server on the bundled model
     minivllm bench throughput --compare-hf
 
 Engine flags carry vLLM's names (``--max-num-seqs``, ``--max-num-batched-tokens``, ...).
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    from minivllm.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (and write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")

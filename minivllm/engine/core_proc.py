@@ -1,0 +1,209 @@
+"""The engine core's busy loop, and the engine core process built around it (chapter 07).
+
+``EngineCoreProc`` drives an ``EngineCore``: take every message waiting in ``input_queue``
+(add, abort, a utility call), run one step, hand the outputs to ``output_put``, repeat; sleep
+on the queue when no request is left. It never touches a socket itself:
+
+* in its own process (``run_engine_core``, ``multiprocess=True``) two more threads move bytes:
+  one reads the input socket and decodes into ``input_queue``, one encodes and writes the
+  outputs. zmq and torch release the GIL, so requests arrive and tokens leave *while* the
+  model runs, and the front end's HTTP handling, tokenizing and detokenizing live in another
+  process, on another core, with a GIL of their own;
+* in the front end's process (``multiprocess=False``) the same loop runs on a thread there, and
+  competes for that one GIL with everything the front end does: the "before" picture.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from minivllm.engine.core import EngineCore
+from minivllm.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequestType,
+    UtilityOutput,
+)
+
+ADD, ABORT, UTILITY, SHUTDOWN = (
+    EngineCoreRequestType.ADD,
+    EngineCoreRequestType.ABORT,
+    EngineCoreRequestType.UTILITY,
+    EngineCoreRequestType.SHUTDOWN,
+)
+
+
+class EngineCoreProc:
+    def __init__(self, engine_core: EngineCore, output_put: Callable[[EngineCoreOutputs], None]):
+        self.engine_core = engine_core
+        self.input_queue: queue.Queue = queue.Queue()  # (EngineCoreRequestType, payload)
+        self.output_put = output_put
+        self.running = True
+
+    def run_busy_loop(self) -> None:
+        """Until SHUTDOWN: handle what arrived, step, send. A fatal error is reported, then raised."""
+        try:
+            while self.running:
+                handled = self._process_input_queue()
+                if not self.running:
+                    break
+                outputs = self.engine_core.step()
+                if outputs or handled:  # something changed: new tokens, or at least the stats
+                    self.output_put(EngineCoreOutputs(
+                        outputs=outputs,
+                        scheduler_stats=self.engine_core.get_stats(),
+                        timestamp=time.time(),
+                    ))
+        except Exception:
+            self.output_put(EngineCoreOutputs(engine_error=traceback.format_exc()))
+            raise
+
+    def _process_input_queue(self) -> bool:
+        handled = False
+        if not self.engine_core.has_unfinished_requests():
+            self._handle(*self.input_queue.get())  # nothing to compute: sleep until a message
+            handled = True
+        while self.running:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(*item)
+            handled = True
+        return handled
+
+    def _handle(self, kind: EngineCoreRequestType, payload) -> None:
+        if kind == ADD:
+            self.engine_core.add_request(payload)
+        elif kind == ABORT:
+            self.engine_core.abort_requests(payload)
+        elif kind == UTILITY:
+            call_id, method, args = payload
+            self.output_put(EngineCoreOutputs(utility_output=self._call_utility(call_id, method, args)))
+        elif kind == SHUTDOWN:
+            self.running = False
+
+    def _call_utility(self, call_id: int, method: str, args) -> UtilityOutput:
+        if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
+            return UtilityOutput(call_id, error=f"EngineCore has no utility method {method!r}")
+        try:
+            return UtilityOutput(call_id, result=getattr(self.engine_core, method)(*args))
+        except Exception as e:
+            return UtilityOutput(call_id, error=f"{type(e).__name__}: {e}")
+
+
+def engine_core_cpu_threads(config) -> int | None:
+    """On a CPU, the torch threads an engine core beside an API server should use: all cores
+    but one, which is left to the server. torch's worker threads wait for each other at every
+    op, so one of them losing its core to the server stalls the whole step. An explicit
+    OMP_NUM_THREADS wins (None: leave torch alone; on a GPU the core mostly launches kernels)."""
+    cpus = os.cpu_count() or 1
+    if config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cpus < 2:
+        return None
+    return cpus - 1
+
+
+def configure_cpu_threads(config) -> None:
+    import torch
+
+    threads = engine_core_cpu_threads(config)
+    if threads is not None:
+        torch.set_num_threads(min(torch.get_num_threads(), threads))
+
+
+# -- the engine core process ------------------------------------------------------------------
+
+def run_engine_core(config, input_address: str, output_address: str, show_progress: bool) -> None:
+    """Entry point of the engine core process (started with multiprocessing's "spawn")."""
+    import zmq
+
+    from minivllm.engine import serial
+
+    _exit_with_parent()
+    # Ctrl-C reaches the whole process group: the front end owns the shutdown and will tell us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    ctx = zmq.Context()
+    out_socket = ctx.socket(zmq.PUSH)
+    out_socket.setsockopt(zmq.SNDHWM, 0)
+    out_socket.connect(output_address)
+    in_socket = ctx.socket(zmq.PULL)
+    in_socket.setsockopt(zmq.RCVHWM, 0)
+    in_socket.connect(input_address)
+
+    try:
+        configure_cpu_threads(config)
+        engine_core = EngineCore(config, show_progress=show_progress)
+    except Exception as e:
+        traceback.print_exc()
+        ready = EngineCoreReady(ok=False, error=str(e), error_is_value_error=isinstance(e, ValueError))
+        out_socket.send(serial.encode(ready))
+        out_socket.close(linger=2000)
+        sys.exit(1)
+    out_socket.send(serial.encode(EngineCoreReady(ok=True, num_kv_blocks=engine_core.scheduler
+                                                  .kv_cache_manager.num_blocks)))
+
+    output_queue: queue.Queue = queue.Queue()
+    proc = EngineCoreProc(engine_core, output_queue.put)
+    stop = threading.Event()
+    reader = threading.Thread(target=_process_input_socket, args=(in_socket, proc.input_queue, stop),
+                              daemon=True, name="EngineCoreInput")
+    writer = threading.Thread(target=_process_output_socket, args=(out_socket, output_queue),
+                              daemon=True, name="EngineCoreOutput")
+    reader.start()
+    writer.start()
+    code = 0
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        stop.set()
+        output_queue.put(None)  # let the writer flush what is left (an engine_error, say)
+        reader.join(timeout=2)
+        writer.join(timeout=2)
+        ctx.term()
+    sys.exit(code)
+
+
+def _process_input_socket(socket, input_queue: queue.Queue, stop: threading.Event) -> None:
+    from minivllm.engine import serial
+
+    while not stop.is_set():
+        if socket.poll(100):
+            input_queue.put(serial.decode_request(socket.recv_multipart(copy=False)))
+    socket.close(linger=0)
+
+
+def _process_output_socket(socket, output_queue: queue.Queue) -> None:
+    from minivllm.engine import serial
+
+    while (item := output_queue.get()) is not None:
+        socket.send(serial.encode(item))
+    socket.close(linger=1000)
+
+
+def _exit_with_parent() -> None:
+    """If the front end dies (even by SIGKILL), follow it: no orphan keeps the model loaded."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="EngineCoreParentWatch").start()

@@ -1,0 +1,43 @@
+"""``minivllm serve`` flags (vLLM's names and defaults). Only argparse here: ``minivllm --help``
+works without the server's packages installed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_serve_parser(subparsers, add_engine_args) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (pip install 'minivllm[serve]')",
+        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="local Hugging Face folder or hub name (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts (default: MODEL)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 endpoints")
+    p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process (default) or in this one")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from minivllm.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        print(f"minivllm serve: needs the server packages ({e.name} is missing): "
+              "pip install 'minivllm[serve]'", file=sys.stderr)
+        return 2
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
+        args.model = args.model_tag
+    return run_server(args)
