@@ -54,8 +54,6 @@ class RequestState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    sent_text_len: int = 0  # for streaming deltas: text already handed out
-    sent_token_len: int = 0
 
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(
