@@ -50,4 +50,5 @@ def pytest_collection_modifyitems(config, items):
             if cuda is None:
                 cuda = _has_cuda()
             if not cuda:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA device (cell tagged requires-gpu)"))
+                reason = "needs a CUDA device (cell tagged requires-gpu)"
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -29,7 +29,8 @@ EXERCISES = sorted(glob.glob(os.path.join(ROOT, "exercises", "*.ipynb")))
 
 
 def _nb(*cells):
-    return nbformat.v4.new_notebook(cells=list(cells), metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
+    kernel = {"name": "python3", "display_name": "Python 3"}
+    return nbformat.v4.new_notebook(cells=list(cells), metadata={"kernelspec": kernel})
 
 
 # -- the generator ---------------------------------------------------------------------------
@@ -48,7 +49,8 @@ print(area(2))'''
 def test_solution_block_becomes_not_implemented_at_its_indentation():
     source, labels = strip_solutions(SOLVED)
     assert labels == ["4.1"]
-    assert '    raise NotImplementedError("Exercise 4.1: return the area of a circle of radius r")' in source
+    expected = '    raise NotImplementedError("Exercise 4.1: return the area of a circle of radius r")'
+    assert expected in source
     assert "math.pi" not in source and "SOLUTION" not in source
     assert source.startswith("import math") and source.endswith("print(area(2))")
 
@@ -85,7 +87,8 @@ def test_one_exercise_may_span_several_blocks():
     ("### BEGIN SOLUTION\nx\n### END SOLUTION", "01_x.ipynb", "write what to do"),
     ("### BEGIN SOLUTION Exercise 1.1: a\nx", "01_x.ipynb", "never closed"),
     ("x\n### END SOLUTION", "01_x.ipynb", "without BEGIN"),
-    ("### BEGIN SOLUTION Exercise 1.1: a\n### BEGIN SOLUTION Exercise 1.2: b", "01_x.ipynb", "inside another"),
+    ("### BEGIN SOLUTION Exercise 1.1: a\n### BEGIN SOLUTION Exercise 1.2: b", "01_x.ipynb",
+     "inside another"),
     ("### BEGIN SOLUTION Exercise 2.1: a\nx\n### END SOLUTION", "01_x.ipynb", "belongs to chapter 2"),
     ("### BEGIN SOLUTION Exercise 1.2: a\nx\n### END SOLUTION", "01_x.ipynb", "out of order"),
     ("x = 1", "01_x.ipynb", "no '### BEGIN SOLUTION' block"),
@@ -170,7 +173,8 @@ def test_every_exercise_is_followed_by_a_grading_cell(path):
 def test_fresh_exercise_notebook_fails_only_at_its_exercise_and_grading_cells(path):
     nb = execute_notebook(path, allow_errors=True)
     cells = [c for c in nb.cells if c.cell_type == "code"]
-    exercise_cells = {i for i, c in enumerate(cells) if 'raise NotImplementedError("Exercise' in c.source}
+    stub = 'raise NotImplementedError("Exercise'
+    exercise_cells = {i for i, c in enumerate(cells) if stub in c.source}
     grading_cells = {i for i, c in enumerate(cells) if "grade" in c.metadata.get("tags", [])}
     labels = {line.split("Exercise ")[1].split(":")[0] for c in cells for line in c.source.split("\n")
               if 'raise NotImplementedError("Exercise' in line}
@@ -227,8 +231,9 @@ def test_conftest_skips_gpu_cells_and_ignores_what_varies_but_compares_the_rest(
         (tmp_path / "conftest.py").write_text(f.read())
     nbformat.write(_nb(_cell("address"), _cell("stderr"), _cell("gpu"), _cell("checked")),
                    str(tmp_path / "probe.ipynb"))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--nbval",
-                          "--nbval-current-env", "probe.ipynb"], cwd=tmp_path, capture_output=True, text=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--nbval",
+               "--nbval-current-env", "probe.ipynb"]
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
     report = out.stdout
     assert "1 failed, 2 passed, 1 skipped" in report, report  # only the changed stdout fails
     assert "FAILED probe.ipynb::Cell 3" in report, report

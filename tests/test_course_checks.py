@@ -82,8 +82,9 @@ def test_rotary_by_batch_index_instead_of_position_fails_naming_it():
 
 def test_gqa_check_passes_torch_sdpa():
     def sdpa(q, k, v, scale):
-        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
 
     checks.check_gqa_attention(sdpa)
 
@@ -209,7 +210,10 @@ def _paged(q, kv_cache, block_table, seq_len, scale, read=None, tile=False):
     pos = torch.arange(n)
     k, v = (kv_cache[i, block_table[pos // bs], pos % bs] for i in (0, 1))
     g = q.shape[0] // k.shape[1]
-    k, v = (k.repeat(1, g, 1), v.repeat(1, g, 1)) if tile else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    if tile:  # head h -> KV head h % kv_heads: the classic mistake
+        k, v = k.repeat(1, g, 1), v.repeat(1, g, 1)
+    else:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     return torch.einsum("hs,shd->hd", (torch.einsum("hd,shd->hs", q, k) * scale).softmax(-1), v)
 
 

@@ -94,7 +94,8 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
     """The learner's notebook for one solutions notebook (``name``: its file name)."""
     match = NOTEBOOK_NAME.match(name)
     if match is None:
-        raise ExerciseFormatError(f"{name}: notebooks are named NN_topic.ipynb (e.g. 01_the_model.ipynb)")
+        raise ExerciseFormatError(
+            f"{name}: notebooks are named NN_topic.ipynb (e.g. 01_the_model.ipynb)")
     cells = [nbformat.v4.new_markdown_cell(HEADER.format(name=name), id="generated-header")]
     labels: list[str] = []
     for i, cell in enumerate(solution.cells):
@@ -112,7 +113,8 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
         new["id"] = cell.get("id") or f"cell-{i}"  # stable ids: the file is the same on every run
         cells.append(new)
     _check_numbering(labels, int(match["n"]), name)
-    metadata = {k: solution.metadata[k] for k in ("kernelspec", "language_info") if k in solution.metadata}
+    keep = ("kernelspec", "language_info")
+    metadata = {k: solution.metadata[k] for k in keep if k in solution.metadata}
     return nbformat.v4.new_notebook(cells=cells, metadata=metadata)
 
 

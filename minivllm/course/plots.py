@@ -36,7 +36,8 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     ax.set_aspect("equal")
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_xlabel(f"KV blocks 0..{num_blocks - 1}, row by row (number: index in the request's block table)")
+    ax.set_xlabel(f"KV blocks 0..{num_blocks - 1}, row by row "
+                  "(number: index in the request's block table)")
     if tables:
         ax.legend(handles=[Patch(facecolor=colors[r], label=f"request {r}") for r in tables],
                   loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)

@@ -11,7 +11,8 @@ def engine_core(llm):
     """The ``EngineCore`` behind an ``LLM`` (in-process engines only)."""
     client = llm.llm_engine.engine_core
     if not hasattr(client, "engine_core"):
-        raise ValueError("the engine core runs in another process: create the LLM with multiprocess=False")
+        raise ValueError(
+            "the engine core runs in another process: create the LLM with multiprocess=False")
     return client.engine_core
 
 

@@ -26,7 +26,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 
 
 def compute_slot_mapping(block_table, positions, block_size: int) -> np.ndarray:
-    """Where each position's K/V lives: slot = block_table[p // block_size] * block_size + p % block_size.
+    """The slot of each position's K/V: block_table[p // block_size] * block_size + p % block_size.
 
     vLLM computes the same in ``BlockTable.compute_slot_mapping`` (chapter 03, exercise 3.1).
     """

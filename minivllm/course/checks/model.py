@@ -114,7 +114,8 @@ def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
                     no_eps = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True))
                               * ref.weight.float())
                     if close(got, no_eps.to(dtype), 1e-3, 1e-3):
-                        hint = "the result matches x / rms(x) * weight without eps: add eps inside the sqrt."
+                        hint = ("the result matches x / rms(x) * weight without eps: "
+                                "add eps inside the sqrt.")
                     compare_tensors(exercise, f"rms_norm(x of shape {shape}, {dtype}, eps={eps:g})",
                                     got, expected, tol, tol, RMS_CONVENTION, hint)
                     cases += 1

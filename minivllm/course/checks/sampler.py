@@ -75,7 +75,8 @@ def _call(exercise, sampler, logits, meta, what) -> torch.Tensor:
     if out.dtype not in (torch.int64, torch.int32):
         fail(exercise, f"{what}: expected integer token ids, got dtype {out.dtype}")
     if ((out < 0) | (out >= logits.shape[1])).any():
-        fail(exercise, f"{what}: token ids must lie in [0, {logits.shape[1]}), got {out.min()}..{out.max()}")
+        fail(exercise, f"{what}: token ids must lie in [0, {logits.shape[1]}), "
+                       f"got {out.min()}..{out.max()}")
     return out.long()
 
 
@@ -130,9 +131,10 @@ def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: boo
 
     # one setting at a time, many rows of the same logits
     for i, (t, k, p) in enumerate(SETTINGS):
-        row = torch.randn(VOCAB, generator=g) * 1.5
-        while not _order_matters(row, t, k, p):  # so the order of top-k and top-p is tested
+        for _ in range(1000):  # a row where the order of top-k and top-p matters, so it is tested
             row = torch.randn(VOCAB, generator=g) * 1.5
+            if _order_matters(row, t, k, p):
+                break
         meta = _meta([t] * SAMPLES, [k] * SAMPLES if k else None, [p] * SAMPLES if p < 1 else None,
                      seed=seed + i)
         what = f"temperature={t}, top_k={k}, top_p={p}"
@@ -171,8 +173,9 @@ def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: boo
         if ta != tb:
             fail(exercise, f"a row with its own generator (meta.generators[row]) must draw its "
                            f"randomness from that generator only, so a seeded request samples the same "
-                           f"token whatever shares its batch: the same seeded row drew token {int(ta)} as "
-                           f"row 1 of a 6-row batch and {int(tb)} as row 5 of a 9-row batch.")
+                           f"token whatever shares its batch: the same seeded row drew token "
+                           f"{int(ta)} as row 1 of a 6-row batch and {int(tb)} as row 5 of a 9-row "
+                           "batch.")
 
     if engine:
         _check_in_engine(exercise, sampler_cls)
