@@ -73,8 +73,8 @@ PROMPT = "The paged KV cache stores keys and values in fixed-size blocks, so tha
 
 # prompts for engine checks: two share a prefix (shared blocks), lengths differ (chunking)
 ENGINE_PROMPTS = [
-    "You are a concise assistant. Answer in one short sentence. What is the capital of France?",
-    "You are a concise assistant. Answer in one short sentence. Name the three primary colors.",
+    "Answer in one short sentence, as a patient teacher would. What is the capital of France?",
+    "Answer in one short sentence, as a patient teacher would. Name the three primary colors.",
     "def fibonacci(n):",
     PROMPT,
 ]
