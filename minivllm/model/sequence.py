@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention.backend import AttentionMetadata, get_attention_backend
+from minivllm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 
 
 def single_sequence_metadata(
@@ -41,14 +41,18 @@ def sequence_logits(
     token_ids: list[int],
     chunk_size: int | None = None,
     block_size: int = 16,
-    backend: str = "torch",
+    backend: str | AttentionBackend = "torch",
 ) -> torch.Tensor:
-    """Logits [len(token_ids), vocab] of the model over one sequence (float32)."""
+    """Logits [len(token_ids), vocab] of the model over one sequence (float32).
+
+    ``backend``: a backend name, or an ``AttentionBackend`` instance (how the course's checkers
+    run a learner's attention inside the real model).
+    """
     config = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     num_blocks = -(-len(token_ids) // block_size)
-    impl = get_attention_backend(backend)
+    impl = backend if isinstance(backend, AttentionBackend) else get_attention_backend(backend)
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     saved = [(layer.kv_cache, layer.backend) for layer in model.attention_layers()]
     for layer in model.attention_layers():

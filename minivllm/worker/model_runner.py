@@ -30,7 +30,20 @@ from minivllm.worker.cuda_graphs import DecodeCudaGraphs
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 
 
+def compute_slot_mapping(block_table, positions, block_size: int) -> np.ndarray:
+    """The slot of each position's K/V: block_table[p // block_size] * block_size + p % block_size.
+
+    vLLM computes the same in ``BlockTable.compute_slot_mapping`` (chapter 03, exercise 3.1).
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    block_ids = np.asarray(block_table, dtype=np.int64)
+    return block_ids[positions // block_size] * block_size + positions % block_size
+
+
 class ModelRunner:
+    # swappable, so a learner's slot mapping can run inside the real engine (chapter 03)
+    compute_slot_mapping = staticmethod(compute_slot_mapping)
+
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
         self.device = config.device
@@ -150,8 +163,7 @@ class ModelRunner:
             input_ids.extend(s.token_ids)
             pos = np.arange(start, start + n)
             positions.append(pos)
-            block_ids = np.asarray(s.block_ids, dtype=np.int64)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            slots.append(np.asarray(self.compute_slot_mapping(s.block_ids, pos, bs), dtype=np.int64))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
             if s.sample:

@@ -1,0 +1,54 @@
+"""pytest hooks for the notebooks (chapters/, solutions/, and exercises/ when a learner grades).
+
+nbval runs each notebook's cells in order and compares their outputs with the committed ones.
+Here we decide what "the same output" means for a course that runs on any machine:
+
+* cells tagged ``requires-gpu`` are skipped when torch sees no CUDA device;
+* stderr is not compared (warnings, progress bars, the one-time model conversion message);
+* memory addresses and progress bars are blanked;
+* cells whose output depends on timing carry nbval's own ``nbval-ignore-output`` tag.
+
+Every notebook cell also gets the ``notebook`` marker: ``pytest -m "not notebook"`` skips them.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernels inherit it: no network in the course
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+GPU_TAG = "requires-gpu"
+SANITIZE = {
+    r"0x[0-9a-fA-F]{6,}": "0x<address>",
+    r"[^\n]*\d+%\|[^\n]*": "<progress bar>",  # a tqdm bar that slipped into stdout
+}
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "notebook: a notebook cell run by nbval")
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = None
+    for item in items:
+        cell = getattr(item, "cell", None)
+        notebook = item.parent
+        if cell is None or not hasattr(notebook, "sanitize_patterns"):
+            continue  # not an nbval notebook cell
+        item.add_marker(pytest.mark.notebook)
+        notebook.sanitize_patterns.update(SANITIZE)
+        if "stderr" not in notebook.skip_compare:
+            notebook.skip_compare = (*notebook.skip_compare, "stderr")
+        if GPU_TAG in cell.get("metadata", {}).get("tags", []):
+            if cuda is None:
+                cuda = _has_cuda()
+            if not cuda:
+                reason = "needs a CUDA device (cell tagged requires-gpu)"
+                item.add_marker(pytest.mark.skip(reason=reason))

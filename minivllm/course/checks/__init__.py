@@ -1,0 +1,22 @@
+"""Checkers the exercise notebooks call: ``from minivllm.course import checks``.
+
+Each ``check_*`` takes the learner's function or class, compares it with the package's reference
+on seeded random cases, then plugs it into the real model or engine. It prints one line when the
+component passes and raises ``CheckFailed`` (an AssertionError) naming what was expected and
+what came back when it does not.
+"""
+
+from minivllm.course.checks.common import CheckFailed
+from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
+from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
+from minivllm.course.checks.sampler import check_sampler
+
+__all__ = [
+    "CheckFailed",
+    "check_rms_norm",
+    "check_rotary",
+    "check_gqa_attention",
+    "check_sampler",
+    "check_slot_mapping",
+    "check_paged_attention",
+]

@@ -1,0 +1,131 @@
+"""What every checker shares: failing with a useful message, the reference model and engine.
+
+A checker runs the learner's component on randomised cases next to the package's reference,
+then inside the real model or engine. Cases are random but seeded, so a given implementation
+always gets the same verdict (and a solved notebook's output never changes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NoReturn
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    """The learner's component does not behave like the reference; the message says how."""
+
+
+def fail(exercise: str, message: str) -> NoReturn:
+    raise CheckFailed(f"Exercise {exercise}: {message}")
+
+
+def passed(exercise: str, message: str) -> None:
+    print(f"Exercise {exercise} passed: {message}")
+
+
+def _at(index: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(i) for i in index) + "]"
+
+
+def compare_tensors(
+    exercise: str,
+    what: str,
+    got,
+    expected: torch.Tensor,
+    atol: float,
+    rtol: float,
+    convention: str,
+    hint: str | None = None,
+) -> None:
+    """Fail unless ``got`` is a tensor of ``expected``'s shape, dtype and values (to tolerance)."""
+    if not isinstance(got, torch.Tensor):
+        fail(exercise, f"{what}: expected a torch.Tensor, got {type(got).__name__}. {convention}")
+    if tuple(got.shape) != tuple(expected.shape):
+        fail(exercise, f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}. "
+                       f"{convention}")
+    if got.dtype != expected.dtype:
+        fail(exercise, f"{what}: expected dtype {expected.dtype}, got {got.dtype}. {convention}")
+    g, e = got.detach().float().cpu(), expected.detach().float().cpu()
+    bad = ~torch.isclose(g, e, atol=atol, rtol=rtol)
+    if bad.any():
+        diff = torch.where(bad, (g - e).abs().nan_to_num(float("inf")), torch.zeros_like(g))
+        flat = int(diff.flatten().argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape))
+        msg = (f"{what}: at index {_at(index)} expected {e[index].item():.6g}, got "
+               f"{g[index].item():.6g} ({int(bad.sum())} of {g.numel()} values differ by more than "
+               f"atol={atol:g} + rtol={rtol:g}). {convention}")
+        if hint:
+            msg += f" Hint: {hint}"
+        fail(exercise, msg)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4) -> bool:
+    """For diagnostics: does ``a`` match ``b`` (shapes equal, values close)?"""
+    return (isinstance(a, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a.detach().float(), b.detach().float(), atol=atol, rtol=rtol))
+
+
+# -- the real model and engine the learner's components are plugged into ----------------------
+
+PROMPT = "The paged KV cache stores keys and values in fixed-size blocks, so that"
+
+# prompts for engine checks: two share a prefix (shared blocks), lengths differ (chunking)
+ENGINE_PROMPTS = [
+    "Answer in one short sentence, as a patient teacher would. What is the capital of France?",
+    "Answer in one short sentence, as a patient teacher would. Name the three primary colors.",
+    "def fibonacci(n):",
+    PROMPT,
+]
+
+
+@functools.lru_cache(maxsize=1)
+def bundled_model():
+    """(model, tokenizer): the bundled SmolLM2-135M-Instruct, float32 on the CPU, loaded once."""
+    from transformers import AutoTokenizer
+
+    from minivllm.model.config import ModelConfig
+    from minivllm.model.loader import load_model
+    from minivllm.model_hub import bundled_model_path
+
+    path = bundled_model_path()
+    model = load_model(path, ModelConfig.from_pretrained(path), torch.device("cpu"), torch.float32,
+                       show_progress=False)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=1)
+def check_engine():
+    """An engine on the bundled model with small blocks and a small step budget, so block tables
+    are non-contiguous and prompts are prefilled in chunks. Components are swapped in and out."""
+    from minivllm import LLM
+
+    return LLM(show_progress=False, device="cpu", block_size=8, num_kv_blocks=512,
+               max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16)
+
+
+def model_runner(llm):
+    """The engine's ModelRunner (the engine core runs in this process)."""
+    return llm.llm_engine.engine_core.engine_core.model_runner
+
+
+def greedy_token_ids(llm, prompts: list[str], max_tokens: int = 10) -> list[list[int]]:
+    from minivllm import SamplingParams
+
+    llm.llm_engine.reset_prefix_cache()  # nothing computed by another component is reused
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.reset_prefix_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def compare_generations(
+    exercise: str, what: str, llm, prompts: list[str], got: list[list[int]], expected: list[list[int]]
+) -> None:
+    tok = llm.get_tokenizer()
+    for prompt, g, e in zip(prompts, got, expected):
+        if list(g) != list(e):
+            first = next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+            fail(exercise, f"{what}, the engine's greedy continuation of {prompt!r} goes wrong at "
+                           f"output token {first}: expected {tok.decode(e)!r}, got {tok.decode(g)!r}")

@@ -1,0 +1,240 @@
+"""The course's machinery: the exercise generator, the committed notebooks, nbval's settings.
+
+* exercises/ is exactly what the generator writes from solutions/ now;
+* a fresh exercise notebook fails, and only at its exercise and grading cells, with
+  NotImplementedError("Exercise N.M: ...") (the solutions notebooks passing is checked by the
+  test command itself: nbval runs every chapter and solution notebook);
+* the test command collects every chapter and solution notebook, and no exercise notebook;
+* the conftest hook skips GPU cells without CUDA and ignores what may vary (stderr, addresses)
+  while still comparing the rest.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from minivllm.course.exercises import (
+    ExerciseFormatError, make_exercise_notebook, stale_exercises, strip_solutions,
+)
+from minivllm.course.notebooks import cell_errors, execute_notebook
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAPTERS = sorted(glob.glob(os.path.join(ROOT, "chapters", "*.ipynb")))
+SOLUTIONS = sorted(glob.glob(os.path.join(ROOT, "solutions", "*.ipynb")))
+EXERCISES = sorted(glob.glob(os.path.join(ROOT, "exercises", "*.ipynb")))
+
+
+def _nb(*cells):
+    kernel = {"name": "python3", "display_name": "Python 3"}
+    return nbformat.v4.new_notebook(cells=list(cells), metadata={"kernelspec": kernel})
+
+
+# -- the generator ---------------------------------------------------------------------------
+
+SOLVED = '''import math
+
+def area(r):
+    """Area of a circle."""
+    ### BEGIN SOLUTION Exercise 4.1: return the area of a circle of radius r
+    return math.pi * r * r
+    ### END SOLUTION
+
+print(area(2))'''
+
+
+def test_solution_block_becomes_not_implemented_at_its_indentation():
+    source, labels = strip_solutions(SOLVED)
+    assert labels == ["4.1"]
+    expected = '    raise NotImplementedError("Exercise 4.1: return the area of a circle of radius r")'
+    assert expected in source
+    assert "math.pi" not in source and "SOLUTION" not in source
+    assert source.startswith("import math") and source.endswith("print(area(2))")
+
+
+def test_generated_notebook_clears_outputs_keeps_tags_and_says_how_to_grade():
+    code = nbformat.v4.new_code_cell(SOLVED, execution_count=3,
+                                     outputs=[nbformat.v4.new_output("stream", text="12.56\n")])
+    grade = nbformat.v4.new_code_cell("check(area)", metadata={"tags": ["grade"]})
+    nb = make_exercise_notebook(_nb(nbformat.v4.new_markdown_cell("# Ex"), code, grade),
+                                "04_circles.ipynb")
+    assert "pytest --nbval exercises/04_circles.ipynb" in nb.cells[0].source
+    codes = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in codes)
+    assert codes[1].metadata["tags"] == ["grade"]
+    assert nb.cells[1].source == "# Ex"
+    nbformat.validate(nb)
+
+
+def test_quotes_in_the_message_are_escaped():
+    source, _ = strip_solutions('### BEGIN SOLUTION Exercise 1.1: say "hi"\nx = 1\n### END SOLUTION')
+    assert compile(source, "cell", "exec") and 'say \\"hi\\"' in source
+
+
+def test_one_exercise_may_span_several_blocks():
+    cell = nbformat.v4.new_code_cell(
+        "### BEGIN SOLUTION Exercise 2.1: a\n1\n### END SOLUTION\n"
+        "### BEGIN SOLUTION Exercise 2.1: b\n2\n### END SOLUTION\n"
+        "### BEGIN SOLUTION Exercise 2.2: c\n3\n### END SOLUTION")
+    nb = make_exercise_notebook(_nb(cell), "02_x.ipynb")
+    assert nb.cells[1].source.count("NotImplementedError") == 3
+
+
+@pytest.mark.parametrize("source, name, message", [
+    ("### BEGIN SOLUTION\nx\n### END SOLUTION", "01_x.ipynb", "write what to do"),
+    ("### BEGIN SOLUTION Exercise 1.1: a\nx", "01_x.ipynb", "never closed"),
+    ("x\n### END SOLUTION", "01_x.ipynb", "without BEGIN"),
+    ("### BEGIN SOLUTION Exercise 1.1: a\n### BEGIN SOLUTION Exercise 1.2: b", "01_x.ipynb",
+     "inside another"),
+    ("### BEGIN SOLUTION Exercise 2.1: a\nx\n### END SOLUTION", "01_x.ipynb", "belongs to chapter 2"),
+    ("### BEGIN SOLUTION Exercise 1.2: a\nx\n### END SOLUTION", "01_x.ipynb", "out of order"),
+    ("x = 1", "01_x.ipynb", "no '### BEGIN SOLUTION' block"),
+    ("### BEGIN SOLUTION Exercise 1.1: a\nx\n### END SOLUTION", "model.ipynb", "NN_topic"),
+])
+def test_malformed_solutions_are_rejected(source, name, message):
+    with pytest.raises(ExerciseFormatError, match=message):
+        make_exercise_notebook(_nb(nbformat.v4.new_code_cell(source)), name)
+
+
+def test_exercises_folder_is_what_the_generator_writes_now():
+    assert SOLUTIONS, "no solutions notebooks"
+    assert [os.path.basename(p) for p in EXERCISES] == [os.path.basename(p) for p in SOLUTIONS]
+    stale = stale_exercises(ROOT)
+    assert not stale, f"stale: {stale}; run: python -m minivllm.course make-exercises"
+
+
+def test_stale_exercise_is_detected(tmp_path):
+    for folder in ("solutions", "exercises"):
+        os.makedirs(tmp_path / folder)
+    cell = nbformat.v4.new_code_cell("### BEGIN SOLUTION Exercise 1.1: a\nx = 1\n### END SOLUTION")
+    nbformat.write(_nb(cell), str(tmp_path / "solutions" / "01_x.ipynb"))
+    assert stale_exercises(str(tmp_path)) == [str(tmp_path / "exercises" / "01_x.ipynb")]
+    from minivllm.course.exercises import write_exercises
+
+    write_exercises(str(tmp_path))
+    assert stale_exercises(str(tmp_path)) == []
+    (tmp_path / "exercises" / "09_orphan.ipynb").write_text("{}")
+    assert stale_exercises(str(tmp_path)) == [str(tmp_path / "exercises" / "09_orphan.ipynb")]
+
+
+def test_make_exercises_check_command_passes_on_the_repository():
+    out = subprocess.run([sys.executable, "-m", "minivllm.course", "make-exercises", "--check",
+                          "--root", ROOT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+# -- the notebooks as committed --------------------------------------------------------------
+
+def _code_cells(path):
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("path", CHAPTERS + SOLUTIONS, ids=os.path.basename)
+def test_notebook_is_committed_run_without_errors(path):
+    cells = _code_cells(path)
+    for i, cell in enumerate(cells):
+        if "requires-gpu" in cell.metadata.get("tags", []):
+            continue
+        assert cell.execution_count is not None, f"code cell {i} was not run before committing"
+        assert not [o for o in cell.outputs if o.output_type == "error"], f"code cell {i} failed"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=os.path.basename)
+def test_chapter_has_plots_and_points_to_vllm_and_exercises(path):
+    nb = nbformat.read(path, as_version=4)
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert images >= 1, "a chapter shows its findings as plots"
+    if not os.path.basename(path).startswith("00_"):
+        assert "## In vLLM" in text and "vllm/" in text
+        exercise = os.path.join("exercises", os.path.basename(path))
+        assert f"`{exercise}`" in text and os.path.exists(os.path.join(ROOT, exercise))
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=os.path.basename)
+def test_every_exercise_is_followed_by_a_grading_cell(path):
+    cells = _code_cells(path)
+    pending = None
+    for cell in cells:
+        if "### BEGIN SOLUTION" in cell.source:
+            pending = cell.source
+        if "grade" in cell.metadata.get("tags", []):
+            assert "checks.check_" in cell.source, "a grading cell calls a checker"
+            pending = None
+    assert pending is None, "the last exercise has no grading cell after it"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXERCISES, ids=os.path.basename)
+def test_fresh_exercise_notebook_fails_only_at_its_exercise_and_grading_cells(path):
+    nb = execute_notebook(path, allow_errors=True)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    stub = 'raise NotImplementedError("Exercise'
+    exercise_cells = {i for i, c in enumerate(cells) if stub in c.source}
+    grading_cells = {i for i, c in enumerate(cells) if "grade" in c.metadata.get("tags", [])}
+    labels = {line.split("Exercise ")[1].split(":")[0] for c in cells for line in c.source.split("\n")
+              if 'raise NotImplementedError("Exercise' in line}
+    errors = cell_errors(nb)
+    failed = {i for i, _, _ in errors}
+    assert failed <= exercise_cells | grading_cells, f"unexpected failures: {errors}"
+    assert grading_cells <= failed, "every grading cell fails while its exercise is unsolved"
+    for i, name, message in errors:
+        assert name == "NotImplementedError" and message.startswith("Exercise "), (i, name, message)
+    assert {m.split(":")[0].removeprefix("Exercise ") for _, _, m in errors} == labels
+
+
+# -- the test command and its nbval settings -------------------------------------------------
+
+@pytest.mark.slow
+def test_test_command_collects_every_chapter_and_solution_notebook_and_no_exercise():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for path in CHAPTERS + SOLUTIONS:
+        rel = os.path.relpath(path, ROOT)
+        assert f"{rel}::Cell 0" in out.stdout, f"{rel} is not collected"
+    assert "exercises/" not in out.stdout
+
+
+NOTEBOOK_CELLS = {
+    "address": ("class A: pass\nprint(A())", "<__main__.A object at 0x7f00deadbeef>\n", None),
+    "stderr": ("import sys\nprint('kept', file=sys.stderr)", None, "something else\n"),
+    "gpu": ("raise RuntimeError('only on a GPU')", "it ran on a GPU\n", None),
+    "checked": ("print('two')", "one\n", None),
+}
+
+
+def _cell(key):
+    source, stdout, stderr = NOTEBOOK_CELLS[key]
+    outputs = []
+    if stdout:
+        outputs.append(nbformat.v4.new_output("stream", name="stdout", text=stdout))
+    if stderr:
+        outputs.append(nbformat.v4.new_output("stream", name="stderr", text=stderr))
+    cell = nbformat.v4.new_code_cell(source, execution_count=1, outputs=outputs)
+    if key == "gpu":
+        cell.metadata["tags"] = ["requires-gpu"]
+    return cell
+
+
+@pytest.mark.slow
+def test_conftest_skips_gpu_cells_and_ignores_what_varies_but_compares_the_rest(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the requires-gpu cell would run here")
+    with open(os.path.join(ROOT, "conftest.py")) as f:
+        (tmp_path / "conftest.py").write_text(f.read())
+    nbformat.write(_nb(_cell("address"), _cell("stderr"), _cell("gpu"), _cell("checked")),
+                   str(tmp_path / "probe.ipynb"))
+    command = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--nbval",
+               "--nbval-current-env", "probe.ipynb"]
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    report = out.stdout
+    assert "1 failed, 2 passed, 1 skipped" in report, report  # only the changed stdout fails
+    assert "FAILED probe.ipynb::Cell 3" in report, report
+    assert "requires-gpu" in report, report  # the skip says why

@@ -1,0 +1,245 @@
+"""The checkers the exercise notebooks call: a correct component passes, however it is written;
+each classic mistake fails with a CheckFailed that names the convention (and the mistake, where
+the checker can tell)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.course import checks
+from minivllm.course.checks.model import _rope_interleaved
+from minivllm.model.layers import RMSNorm, RotaryEmbedding
+from minivllm.sample.sampler import Sampler
+
+
+def _fails(check, component, *expected_fragments, **kwargs):
+    with pytest.raises(checks.CheckFailed) as info:
+        check(component, **kwargs)
+    message = str(info.value)
+    for fragment in expected_fragments:
+        assert fragment in message, message
+    return message
+
+
+# -- 1.1 RMSNorm ---------------------------------------------------------------------------------
+
+def rms_norm_with_module(x, weight, eps):
+    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    norm.weight.data = weight.to(x.dtype)
+    return norm(x).detach()
+
+
+def test_rms_norm_check_passes_the_reference_module(capsys):
+    checks.check_rms_norm(rms_norm_with_module)
+    assert "Exercise 1.1 passed" in capsys.readouterr().out
+
+
+def test_rms_norm_without_eps_fails_with_a_hint():
+    def no_eps(x, w, eps):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)) * w).to(x.dtype)
+
+    _fails(checks.check_rms_norm, no_eps, "Exercise 1.1", "sqrt(mean(x**2", "add eps inside the sqrt")
+
+
+def test_layer_norm_is_not_rms_norm():
+    def layer_norm(x, w, eps):
+        return F.layer_norm(x.float(), x.shape[-1:], w.float(), eps=eps).to(x.dtype)
+
+    _fails(checks.check_rms_norm, layer_norm, "expected", "got")
+
+
+def test_rms_norm_returning_float32_for_bfloat16_fails_on_dtype():
+    def keeps_float32(x, w, eps):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+    _fails(checks.check_rms_norm, keeps_float32, "expected dtype torch.bfloat16")
+
+
+# -- 1.2 rotary ----------------------------------------------------------------------------------
+
+def test_rotary_check_passes_the_reference_module():
+    def with_module(x, positions, base):
+        return RotaryEmbedding(x.shape[-1], int(positions.max()) + 1, base)(positions, x, x)[0]
+
+    checks.check_rotary(with_module)
+
+
+def test_interleaved_rotary_fails_naming_the_layout():
+    _fails(checks.check_rotary, _rope_interleaved, "Exercise 1.2", "neox", "adjacent pairs")
+
+
+def test_rotary_by_batch_index_instead_of_position_fails_naming_it():
+    def by_index(x, positions, base):
+        index = torch.arange(len(positions))
+        return RotaryEmbedding(x.shape[-1], len(positions), base)(index, x, x)[0]
+
+    _fails(checks.check_rotary, by_index, "positions[t]")
+
+
+# -- 1.3 GQA -------------------------------------------------------------------------------------
+
+def test_gqa_check_passes_torch_sdpa():
+    def sdpa(q, k, v, scale):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    checks.check_gqa_attention(sdpa)
+
+
+def _attention(q, k, v, scale, causal=True, tile=False):
+    group = q.shape[1] // k.shape[1]
+    if tile:
+        k, v = k.repeat(1, group, 1), v.repeat(1, group, 1)
+    else:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    if causal:
+        t = q.shape[0]
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(tile=True), "h % kv_heads"),
+    (dict(causal=False), "no causal mask"),
+])
+def test_gqa_mistakes_fail_naming_them(mistake, hint):
+    _fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, s, **mistake),
+           "Exercise 1.3", "h // (heads // kv_heads)", hint)
+
+
+def test_gqa_ignoring_the_scale_argument_fails():
+    _fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, q.shape[-1] ** -0.5),
+           "use the scale argument")
+
+
+# -- 2.1 sampler ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sampler_check_passes_the_reference_sampler(capsys):
+    checks.check_sampler(Sampler)
+    assert "Exercise 2.1 passed" in capsys.readouterr().out
+
+
+class _RowSampler(torch.nn.Module):
+    """A loop-per-row sampler with switchable mistakes."""
+
+    top_p_keeps_crossing_token = True
+    top_p_before_top_k = False
+    use_own_generators = True
+    use_temperature = True
+
+    def forward(self, logits, meta):
+        out = logits.argmax(-1).clone()
+        for r in range(logits.shape[0]):
+            t = float(meta.temperature[r])
+            if t < 1e-5:
+                continue
+            row = logits[r] / (t if self.use_temperature else 1.0)
+            k = int(meta.top_k[r]) if meta.top_k is not None else 0
+            p = float(meta.top_p[r]) if meta.top_p is not None else 1.0
+            steps = [self._top_p, self._top_k] if self.top_p_before_top_k else [self._top_k, self._top_p]
+            for step in steps:
+                row = step(row, k, p)
+            gen = meta.generators.get(r, meta.generator) if self.use_own_generators else meta.generator
+            out[r] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
+        return out
+
+    def _top_k(self, row, k, p):
+        return row if k <= 0 else row.masked_fill(row < row.topk(k).values[-1], float("-inf"))
+
+    def _top_p(self, row, k, p):
+        if p >= 1:
+            return row
+        probs, order = row.softmax(-1).sort(descending=True)
+        before = probs.cumsum(0) - probs
+        drop = before >= p if self.top_p_keeps_crossing_token else probs.cumsum(0) > p
+        drop[0] = False
+        return row.clone().index_fill_(0, order[drop], float("-inf"))
+
+
+def _variant(**flags):
+    return type("Variant", (_RowSampler,), flags)
+
+
+def test_row_by_row_multinomial_sampler_passes_the_statistical_part():
+    checks.check_sampler(_variant(), engine=False)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (dict(use_temperature=False), "temperature=0.5"),
+    (dict(top_p_keeps_crossing_token=False), "top_p=0.6"),
+    (dict(top_p_before_top_k=True), "top_k=4, top_p=0.6"),
+    (dict(use_own_generators=False), "meta.generators[row]"),
+])
+def test_sampler_mistakes_fail(flags, fragment):
+    _fails(checks.check_sampler, _variant(**flags), "Exercise 2.1", fragment, engine=False)
+
+
+def test_sampler_that_ignores_greedy_rows_fails():
+    class AlwaysSamples(_RowSampler):
+        def forward(self, logits, meta):
+            meta.temperature = meta.temperature.clamp_min(1.0)
+            return super().forward(logits, meta)
+
+    _fails(checks.check_sampler, AlwaysSamples, "argmax", engine=False)
+
+
+# -- 3.1 slot mapping, 3.2 paged attention ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_slot_mapping_check_passes_a_list_comprehension():
+    checks.check_slot_mapping(lambda table, pos, bs: [table[p // bs] * bs + p % bs for p in pos])
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda table, pos, bs: [table[p // bs] + p % bs for p in pos],  # forgot * block_size
+    lambda table, pos, bs: [p for p in pos],  # ignored the block table
+    lambda table, pos, bs: [table[p % len(table)] * bs + p // bs for p in pos],  # swapped
+])
+def test_slot_mapping_mistakes_fail_stating_the_convention(wrong):
+    _fails(checks.check_slot_mapping, wrong, "Exercise 3.1", "block_table[p // block_size]", "got")
+
+
+def _paged(q, kv_cache, block_table, seq_len, scale, read=None, tile=False):
+    bs = kv_cache.shape[2]
+    n = seq_len if read is None else read(seq_len, bs, len(block_table))
+    pos = torch.arange(n)
+    k, v = (kv_cache[i, block_table[pos // bs], pos % bs] for i in (0, 1))
+    g = q.shape[0] // k.shape[1]
+    if tile:  # head h -> KV head h % kv_heads: the classic mistake
+        k, v = k.repeat(1, g, 1), v.repeat(1, g, 1)
+    else:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return torch.einsum("hs,shd->hd", (torch.einsum("hd,shd->hs", q, k) * scale).softmax(-1), v)
+
+
+@pytest.mark.slow
+def test_paged_attention_check_passes_a_gather_then_attend():
+    checks.check_paged_attention(_paged)
+
+
+@pytest.mark.parametrize("kwargs, hint", [
+    (dict(read=lambda n, bs, nb: -(-n // bs) * bs), "only the first seq_len"),
+    (dict(read=lambda n, bs, nb: nb * bs), "only the first seq_len"),
+    (dict(tile=True), "h % kv_heads"),
+])
+def test_paged_attention_mistakes_fail_naming_them(kwargs, hint):
+    _fails(checks.check_paged_attention, lambda *a: _paged(*a, **kwargs), "Exercise 3.2", hint)
+
+
+def test_unsolved_exercise_propagates_not_implemented_error():
+    def unsolved(*args):
+        raise NotImplementedError("Exercise 3.1: ...")
+
+    with pytest.raises(NotImplementedError, match="Exercise 3.1"):
+        checks.check_slot_mapping(unsolved)
+
+
+def test_slot_mapping_check_accepts_numpy_output():
+    from minivllm.worker.model_runner import compute_slot_mapping
+
+    assert isinstance(compute_slot_mapping([3, 1], np.arange(3), 2), np.ndarray)
