@@ -44,6 +44,32 @@ def gather_context(
     return ctx[:, :num_tokens]
 
 
+def grouped_query_attention(
+    q: torch.Tensor,  # [seqs, query_len, heads, d]
+    k: torch.Tensor,  # [seqs, L, kv_heads, d]
+    v: torch.Tensor,  # [seqs, L, kv_heads, d]
+    allowed: torch.Tensor,  # [seqs, query_len, L] bool: which keys each query may see
+    scale: float,
+) -> torch.Tensor:  # [seqs, query_len, heads, d]
+    """Softmax attention with grouped-query heads, in float32.
+
+    The query heads that share a KV head are stacked as extra query rows, so each KV head is
+    read once per sequence (no copy of K/V per query head, as ``repeat_interleave`` would make).
+    """
+    seqs, query_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    # rows of KV head h: (query head h*group + g, token t) for every g, t
+    qg = q.view(seqs, query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(seqs, num_kv_heads, group * query_len, head_dim).float()
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [seqs, kv_heads, rows, L]
+    visible = allowed.repeat(1, group, 1)[:, None]  # [seqs, 1, rows, L]
+    scores.masked_fill_(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.permute(0, 2, 1, 3).float())
+    out = out.view(seqs, num_kv_heads, group, query_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(seqs, query_len, num_heads, head_dim).to(q.dtype)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [seqs, heads, d]: one query token per sequence
     kv_cache: torch.Tensor,
@@ -52,19 +78,12 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[-2]
-    group = num_heads // num_kv_heads  # query heads sharing one KV head (GQA)
     max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
     k = gather_context(kv_cache[0], block_tables, max_len)  # [seqs, L, kv_heads, d]
     v = gather_context(kv_cache[1], block_tables, max_len)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [seqs, kv_heads, group, L]
-    beyond = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [seqs, kv_heads, group, d]
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    # the query is the last token: it sees its whole sequence, nothing past its end
+    allowed = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    return grouped_query_attention(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
 
 
 def paged_prefill_attention(
@@ -86,24 +105,31 @@ def paged_prefill_attention(
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         query_len = end - start
-        qi = q[start:end].transpose(0, 1)  # [heads, query_len, d]
-        if query_len == seq_len and k is not None:
-            ki, vi = k[start:end], v[start:end]
-        else:
-            table = block_tables[i : i + 1]
-            ki = gather_context(kv_cache[0], table, seq_len)[0]
-            vi = gather_context(kv_cache[1], table, seq_len)[0]
-        ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [kv_heads, seq_len, d]
-        if query_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # query j sits at position (seq_len - query_len + j): it sees keys up to there
-            first = seq_len - query_len
-            rows = torch.arange(query_len, device=q.device)[:, None] + first
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        if query_len == seq_len:  # no earlier context: plain causal attention
+            if k is not None:
+                ki, vi = k[start:end], v[start:end]
+            else:
+                ki, vi = _context(kv_cache, block_tables[i : i + 1], seq_len)
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+            out[start:end] = o.transpose(0, 1)
+            continue
+        # query j sits at position (seq_len - query_len + j): it sees keys up to there
+        ki, vi = _context(kv_cache, block_tables[i : i + 1], seq_len)
+        rows = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        out[start:end] = grouped_query_attention(
+            q[None, start:end], ki[None], vi[None], allowed[None], scale
+        )[0]
     return out
+
+
+def _context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """One sequence's keys and values, [seq_len, kv_heads, d] each, read from its blocks."""
+    return (gather_context(kv_cache[0], block_table, seq_len)[0],
+            gather_context(kv_cache[1], block_table, seq_len)[0])
 
 
 class TorchAttentionBackend(AttentionBackend):
