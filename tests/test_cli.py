@@ -48,7 +48,9 @@ def test_bench_long_prompt_and_shared_prefix_small(tiny_llama, tmp_path):
                "--json", str(lp))
     assert out.returncode == 0, out.stderr
     runs = json.loads(lp.read_text())["runs"]
-    assert set(runs) == {"v0", "v1-chunk8"} and all(r["num_window_gaps"] > 0 for r in runs.values())
+    assert set(runs) == {"v0", "v1-chunk8"}
+    assert all(r["window_steps"] > 0 and r["tpot_p99_ms"] > 0 for r in runs.values())
+    assert runs["v0"]["window_steps"] < runs["v1-chunk8"]["window_steps"]  # v1 chunks the prompt
     sp = tmp_path / "sp.json"
     out = _run("bench", "shared-prefix", "--model", tiny_llama, "--num-requests", "4",
                "--prefix-len", "64", "--json", str(sp))
