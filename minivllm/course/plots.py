@@ -65,7 +65,7 @@ def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float, mark
     for (label, t), style in zip((marks or {}).items(), ("--", ":", "-.")):
         ax.axvline((t - t0) * scale, color="k", linestyle=style, linewidth=1, label=label)
     if marks:
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlabel(f"time since the long prompt arrived ({unit})")
     if title:
         ax.set_title(title, fontsize=10)
@@ -84,13 +84,43 @@ def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms", title: str
         y = [(i + 1) / len(v) for i in range(len(v))]
         line, = ax.step(v, y, where="post", label=f"{label} (P99 {percentile(v, 99):.0f} {unit})")
         ax.axvline(percentile(v, 99), color=line.get_color(), linestyle=":", linewidth=1)
-    ax.set_xscale("log")
+    plain_log_axis(ax.xaxis)
     ax.set_xlabel(f"time per output token ({unit}, log scale)")
     ax.set_ylabel("fraction of tokens")
     ax.axhline(0.99, color="0.6", linewidth=0.8)
     ax.legend(loc="lower right", fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
+
+
+def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit: str = "ms",
+                       title: str | None = None) -> None:
+    """Each gap between two consecutive tokens of a request, plotted at the time the later one
+    came out (one line per run): a stall is a spike, a slow-down a plateau."""
+    scale = 1e3 if unit == "ms" else 1.0
+    for label, times in token_times.items():
+        ax.plot([(b - t0) * scale for b in times[1:]],
+                [(b - a) * 1e3 for a, b in zip(times, times[1:])], ".-", markersize=3, label=label)
+    plain_log_axis(ax.yaxis)
+    ax.set_xlabel(f"time since the long prompt arrived ({unit})")
+    ax.set_ylabel("time since the previous token (ms, log scale)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def plain_log_axis(axis) -> None:
+    """Make ``axis`` (``ax.xaxis`` or ``ax.yaxis``) a log scale with ticks at 1, 2, 5, 10, 20, ...
+    labelled as plain numbers (not 10^1, 2x10^2, ...)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    if axis is axis.axes.xaxis:
+        axis.axes.set_xscale("log")
+    else:
+        axis.axes.set_yscale("log")
+    axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
 
 
 def draw_scheduler_tick(ax, step: dict, order: list[str], waiting: list[str] | None = None) -> None:
@@ -122,10 +152,10 @@ def draw_scheduler_tick(ax, step: dict, order: list[str], waiting: list[str] | N
     ax.text(budget, -0.9, f" budget {budget}", fontsize=8, va="center")
     ax.set_yticks([*range(len(order)), total_row], [*order, "whole step"], fontsize=8)
     ax.set_ylim(total_row + 0.8, -1.4)
-    ax.set_xlim(0, budget * 1.2)
+    ax.set_xlim(0, budget * 1.6)
     ax.set_xlabel("tokens scheduled in this step")
     ax.set_title(f"step {step['step']}: {step['num_scheduled_tokens']} of {budget} budget tokens "
                  f"used", fontsize=9)
     ax.legend(handles=[Patch(color="tab:blue", label="decode (1 token)"),
                        Patch(color="tab:orange", label="prefill chunk")],
-              loc="lower right", fontsize=7)
+              loc="center right", fontsize=7)
