@@ -359,7 +359,8 @@ def test_the_v1_scheduler_is_not_a_v0_one():
 
 
 def test_scheduler_checks_want_a_scheduler_class():
-    _fails(checks.check_phase_separated_scheduler, object, "subclass of minivllm.core.scheduler.Scheduler")
+    _fails(checks.check_phase_separated_scheduler, object,
+           "subclass of minivllm.core.scheduler.Scheduler")
 
 
 # -- 5.1 the unified (v1) scheduler --------------------------------------------------------------
@@ -406,7 +407,8 @@ class _V1(Scheduler):
             entries.append((request, want))
             if self.subtract_budget:
                 budget -= want
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             n = self._try_admit(self.waiting[0], budget, whole_only=False)
             if not n:
                 break
@@ -426,7 +428,8 @@ def test_v1_check_passes_the_package_scheduler_and_one_written_differently(capsy
     (dict(subtract_budget=False), ["over the step's budget max_num_batched_tokens=24"]),
     (dict(victim_index=0), ["latest-arrived running request", "expected the 1 latest"]),
     (dict(requeue_front=False), ["FRONT of the waiting queue", "appendleft"]),
-    (dict(reset_computed=False), ["num_computed_tokens is still", "reset num_computed_tokens to 0"]),
+    (dict(reset_computed=False),
+     ["num_computed_tokens is still", "reset num_computed_tokens to 0"]),
 ])
 def test_v1_mistakes_fail_naming_them(flags, fragments):
     _fails(checks.check_unified_scheduler, type("Mistake", (_V1,), flags), "Exercise 5.1",

@@ -46,7 +46,8 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     return colors
 
 
-def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float, marks: dict | None = None,
+def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float,
+                        marks: dict | None = None,
                         highlight: str | None = None, title: str | None = None,
                         unit: str = "s") -> None:
     """One row per request, one tick per output token, at its time minus ``t0``.
@@ -71,7 +72,8 @@ def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float, mark
         ax.set_title(title, fontsize=10)
 
 
-def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms", title: str | None = None) -> None:
+def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
+                  title: str | None = None) -> None:
     """The distribution of times between consecutive output tokens, one curve per run, with each
     run's P99 marked (a stall lives in the tail: the median barely moves)."""
     from minivllm.benchmarks.common import percentile

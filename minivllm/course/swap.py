@@ -53,7 +53,8 @@ def swapped_scheduler(llm, **overrides):
 
     kv_cache_manager = (config.kv_cache_manager_cls or KVCacheManager)(
         num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-        hash_algo=config.prefix_caching_hash_algo, block_pool_cls=config.block_pool_cls or BlockPool,
+        hash_algo=config.prefix_caching_hash_algo,
+        block_pool_cls=config.block_pool_cls or BlockPool,
     )
     scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
     scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)

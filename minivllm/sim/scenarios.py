@@ -72,8 +72,8 @@ def long_prompt_stall(
     steady step), i.e. the decodes that had to share the machine with its prefill.
     Other keyword arguments: those of ``long_prompt_sim``.
     """
-    sim = long_prompt_sim(scheduler, chunk_size, num_decoding, long_prompt_arrival=long_prompt_arrival,
-                          cost_model=cost_model, **kwargs)
+    sim = long_prompt_sim(scheduler, chunk_size, num_decoding,
+                          long_prompt_arrival=long_prompt_arrival, cost_model=cost_model, **kwargs)
     records = sim.records
     long = records["long"]
     before, window = stall_window(

@@ -101,9 +101,9 @@ def _prompt_ids(index: int) -> tuple[int, ...]:
     return tuple(check_engine().get_tokenizer().encode(PROMPTS[index]))
 
 
-def run_workload(scheduler_cls: type, workload: Workload, exercise: str) -> tuple[dict, dict]:
-    """Run ``workload`` with ``scheduler_cls`` in the check engine; return ({request id: output
-    token ids}, stats). Fails if the requests do not all finish within MAX_STEPS steps."""
+def run_workload(scheduler_cls: type, workload: Workload, exercise: str) -> dict[str, list[int]]:
+    """Run ``workload`` with ``scheduler_cls`` in the check engine; return {request id: output
+    token ids}. Fails if the requests do not all finish within MAX_STEPS steps."""
     from minivllm import SamplingParams
     from minivllm.course.swap import swapped_scheduler
 
@@ -111,7 +111,7 @@ def run_workload(scheduler_cls: type, workload: Workload, exercise: str) -> tupl
     engine = llm.llm_engine
     outputs: dict[str, list[int]] = {}
     last_arrival = max(step for step, *_ in workload.arrivals)
-    with swapped_scheduler(llm, scheduler_cls=scheduler_cls, **dict(workload.overrides)) as sched:
+    with swapped_scheduler(llm, scheduler_cls=scheduler_cls, **dict(workload.overrides)):
         for step in range(MAX_STEPS):
             for at, rid, prompt, max_tokens in workload.arrivals:
                 if at == step:
@@ -127,15 +127,15 @@ def run_workload(scheduler_cls: type, workload: Workload, exercise: str) -> tupl
             unfinished = sorted(set(rid for _, rid, _, _ in workload.arrivals) - set(outputs))
             fail(exercise, f"workload '{workload.name}': after {MAX_STEPS} engine steps, requests "
                            f"{unfinished} are still unfinished: the scheduler stopped making "
-                           f"progress (a step that schedules nothing, or a request never admitted).")
-        stats = sched.get_stats()
-    return outputs, stats
+                           f"progress (a step that schedules nothing, or a request never "
+                           f"admitted).")
+    return outputs
 
 
 @functools.lru_cache(maxsize=None)
 def reference_outputs(workload: Workload) -> dict:
     cls = PhaseSeparatedScheduler if dict(workload.overrides)["scheduler"] == "v0" else Scheduler
-    return run_workload(cls, workload, "reference")[0]
+    return run_workload(cls, workload, "reference")
 
 
 def _compare_outputs(exercise: str, workload: Workload, got: dict) -> None:
@@ -274,7 +274,8 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: Watch) -> None:
     if prefills:
         left = sched.max_num_batched_tokens - sum(s.num_tokens for s in prefills)
         nxt = before.waiting[len(admitted)] if len(before.waiting) > len(admitted) else None
-        if nxt is not None and len(sched.running) < sched.max_num_seqs and before.num_tokens[nxt] <= left:
+        room = len(sched.running) < sched.max_num_seqs
+        if nxt is not None and room and before.num_tokens[nxt] <= left:
             watch.fail(out, f"Request {nxt!r} ({before.num_tokens[nxt]} tokens) was waiting next "
                             f"and still fit ({left} tokens of budget left, "
                             f"{len(sched.running)} < max_num_seqs={sched.max_num_seqs}): keep "
@@ -291,7 +292,7 @@ def check_phase_separated_scheduler(scheduler_cls: type, exercise: str = "4.1") 
     """``scheduler_cls``: a ``Scheduler`` subclass whose ``schedule()`` is the v0 policy."""
     _check_is_scheduler(scheduler_cls, exercise)
     watch = Watch(exercise, V0_WORKLOAD)
-    got, _ = run_workload(_probe(scheduler_cls, watch, _check_v0_step), V0_WORKLOAD, exercise)
+    got = run_workload(_probe(scheduler_cls, watch, _check_v0_step), V0_WORKLOAD, exercise)
     _compare_outputs(exercise, V0_WORKLOAD, got)
     passed(exercise, f"{scheduler_cls.__name__} kept every one of {watch.steps} steps to a single "
                      f"phase, gave waiting prompts priority, and the engine's outputs equal the "
@@ -388,7 +389,7 @@ def check_unified_scheduler(scheduler_cls: type, exercise: str = "5.1") -> None:
     steps = 0
     for workload in (CHUNK_WORKLOAD, PREEMPT_WORKLOAD):
         watch = Watch(exercise, workload)
-        got, _ = run_workload(_probe(scheduler_cls, watch, _check_v1_step), workload, exercise)
+        got = run_workload(_probe(scheduler_cls, watch, _check_v1_step), workload, exercise)
         if workload is CHUNK_WORKLOAD and not watch.mixed_steps:
             fail(exercise, f"workload '{workload.name}': no step ran a prefill chunk beside a "
                            f"decode. The point of the unified scheduler is that decodes and "
