@@ -243,3 +243,209 @@ def test_slot_mapping_check_accepts_numpy_output():
     from minivllm.worker.model_runner import compute_slot_mapping
 
     assert isinstance(compute_slot_mapping([3, 1], np.arange(3), 2), np.ndarray)
+
+
+# -- the scheduler swap (chapters 04-05 and their checkers) ----------------------------------------
+
+def test_swapped_scheduler_builds_what_the_engine_arguments_say_and_restores_the_engine():
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+    from minivllm.course.checks.common import check_engine, greedy_token_ids
+    from minivllm.course.swap import swapped_scheduler
+    from minivllm.course.views import engine_core
+
+    llm = check_engine()
+    own = engine_core(llm).scheduler
+    prompts = ["def fibonacci(n):"]
+    expected = greedy_token_ids(llm, prompts, max_tokens=4)
+    with swapped_scheduler(llm, scheduler="v0", max_num_batched_tokens=1024, num_kv_blocks=40) as s:
+        assert type(s) is PhaseSeparatedScheduler and engine_core(llm).scheduler is s
+        assert s.kv_cache_manager.num_blocks == 40 and s.max_num_batched_tokens == 1024
+        assert greedy_token_ids(llm, prompts, max_tokens=4) == expected
+        assert llm.llm_engine.get_step_trace()[0]["step"] == 1  # a trace of its own
+    assert engine_core(llm).scheduler is own
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(block_size=4), "can change only"),
+    (dict(scheduler="v0", max_num_batched_tokens=32), "max_num_batched_tokens"),
+    (dict(num_kv_blocks=10**6), "holds only"),
+])
+def test_swapped_scheduler_rejects_what_llm_would_reject(overrides, message):
+    from minivllm.course.checks.common import check_engine
+    from minivllm.course.swap import swapped_scheduler
+
+    with pytest.raises(ValueError, match=message):
+        with swapped_scheduler(check_engine(), **overrides):
+            pass
+
+
+def test_swapped_scheduler_aborts_what_an_error_left_behind():
+    from minivllm import SamplingParams
+    from minivllm.course.checks.common import check_engine
+    from minivllm.course.swap import swapped_scheduler
+
+    llm = check_engine()
+    with pytest.raises(RuntimeError, match="boom"):
+        with swapped_scheduler(llm, max_num_seqs=2):
+            llm.llm_engine.add_request("x", "Hello", SamplingParams(max_tokens=3))
+            raise RuntimeError("boom")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+# -- 4.1 the phase-separated (v0) scheduler ------------------------------------------------------
+
+from minivllm.core.request import RequestStatus  # noqa: E402
+from minivllm.core.scheduler import Scheduler  # noqa: E402
+
+
+class _V0(Scheduler):
+    """A phase-separated schedule(), written unlike the package's, with switchable mistakes."""
+
+    prefill_first = True  # False: decode whenever anything runs (waiting prompts wait)
+    mix = False  # True: decode the running requests in the prefill step too
+    admit_all = True  # False: one prompt per prefill step
+
+    def _prefill(self, entries):
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            n = self._try_admit(head, budget, whole_only=True)
+            if not n:
+                break
+            entries.append((head, n))
+            budget -= n
+            if not self.admit_all:
+                break
+
+    def _decode(self, entries, requests, preempted):
+        for request in requests:
+            if request not in self.running:
+                break  # preempted by an earlier request of this loop
+            if not self._allocate_or_preempt(request, 1, preempted):
+                break
+            entries.append((request, 1))
+
+    def schedule(self):
+        entries, preempted = [], []
+        running = list(self.running)
+        if self.prefill_first or not self.running:
+            self._prefill(entries)
+        if not entries or self.mix:
+            self._decode(entries, running, preempted)
+        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+
+
+@pytest.mark.slow
+def test_v0_check_passes_the_package_scheduler_and_one_written_differently(capsys):
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+
+    checks.check_phase_separated_scheduler(PhaseSeparatedScheduler)
+    checks.check_phase_separated_scheduler(_V0)
+    assert capsys.readouterr().out.count("Exercise 4.1 passed") == 2
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (dict(mix=True), "mixes the prefill of"),
+    (dict(prefill_first=False), "waiting prompts take priority"),
+    (dict(admit_all=False), "keep admitting while prompts fit"),
+])
+def test_v0_mistakes_fail_naming_them(flags, fragment):
+    _fails(checks.check_phase_separated_scheduler, type("Mistake", (_V0,), flags),
+           "Exercise 4.1", fragment, "Expected (v0)")
+
+
+def test_the_v1_scheduler_is_not_a_v0_one():
+    _fails(checks.check_phase_separated_scheduler, Scheduler, "Exercise 4.1", "in v0 a step is")
+
+
+def test_scheduler_checks_want_a_scheduler_class():
+    _fails(checks.check_phase_separated_scheduler, object,
+           "subclass of minivllm.core.scheduler.Scheduler")
+
+
+# -- 5.1 the unified (v1) scheduler --------------------------------------------------------------
+
+class _V1(Scheduler):
+    """A unified schedule() with its own preemption (not the package's helpers), with switchable
+    mistakes."""
+
+    subtract_budget = True
+    victim_index = -1  # 0: preempt the earliest arrival
+    requeue_front = True
+    reset_computed = True
+
+    def _evict(self, victim):
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        if self.reset_computed:
+            victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.requeue_front:
+            self.waiting.appendleft(victim)
+        else:
+            self.waiting.append(victim)
+
+    def schedule(self):
+        budget = self.max_num_batched_tokens
+        entries, preempted = [], []
+        for request in list(self.running):
+            if budget <= 0 or request not in self.running:
+                break
+            want = request.num_tokens - request.num_computed_tokens
+            if self.long_prefill_token_threshold:
+                want = min(want, self.long_prefill_token_threshold)
+            want = min(want, budget)
+            while self.kv_cache_manager.allocate_slots(request, want) is None:
+                victim = self.running.pop(self.victim_index)
+                self._evict(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if any(v is request for v in preempted):
+                break
+            entries.append((request, want))
+            if self.subtract_budget:
+                budget -= want
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            n = self._try_admit(self.waiting[0], budget, whole_only=False)
+            if not n:
+                break
+            entries.append((self.running[-1], n))
+            budget -= n
+        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+
+
+@pytest.mark.slow
+def test_v1_check_passes_the_package_scheduler_and_one_written_differently(capsys):
+    checks.check_unified_scheduler(Scheduler)
+    checks.check_unified_scheduler(_V1)
+    assert capsys.readouterr().out.count("Exercise 5.1 passed") == 2
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (dict(subtract_budget=False), ["over the step's budget max_num_batched_tokens=24"]),
+    (dict(victim_index=0), ["latest-arrived running request", "expected the 1 latest"]),
+    (dict(requeue_front=False), ["FRONT of the waiting queue", "appendleft"]),
+    (dict(reset_computed=False),
+     ["num_computed_tokens is still", "reset num_computed_tokens to 0"]),
+])
+def test_v1_mistakes_fail_naming_them(flags, fragments):
+    _fails(checks.check_unified_scheduler, type("Mistake", (_V1,), flags), "Exercise 5.1",
+           *fragments)
+
+
+def test_the_v0_scheduler_is_not_a_v1_one():
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+
+    _fails(checks.check_unified_scheduler, PhaseSeparatedScheduler, "Exercise 5.1", "Expected (v1)")
+
+
+def test_unsolved_scheduler_exercise_propagates_not_implemented_error():
+    class Unsolved(Scheduler):
+        def schedule(self):
+            raise NotImplementedError("Exercise 5.1: ...")
+
+    with pytest.raises(NotImplementedError, match="Exercise 5.1"):
+        checks.check_unified_scheduler(Unsolved)

@@ -35,15 +35,22 @@ def add_parser(subparsers, add_engine_args) -> None:
 
 def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len: int,
                  long_prompt_len: int, steady_steps: int, seed: int = 0,
-                 control_steps: int | None = None) -> dict:
+                 control_steps: int | None = None, llm=None, extra_steps: int = 1) -> dict:
     """Chats decode for ``steady_steps``; then the long prompt arrives, and we step until its
     first token. ``control_steps``: the control run instead — no long prompt, just that many
     more steps — so the chats' own growth (longer contexts, slower decodes) is not blamed on it.
-    Returns the chats' token gaps after the arrival point, and the number of steps taken."""
+    Returns the chats' token gaps after the arrival point, and the number of steps taken.
+
+    ``llm``: run on this engine as it is (the course swaps schedulers into one loaded model,
+    ``minivllm.course.swap``) instead of building one from ``model`` and ``scheduler_kwargs``.
+    ``extra_steps``: steps run after the window (at least one, so every gap in it has its end).
+    The result also holds every request's token times, the arrival and the window's end (wall
+    times), and the step trace, for timelines."""
     from minivllm import LLM, SamplingParams
 
     max_len = long_prompt_len + 64
-    llm = LLM(model, show_progress=False, max_model_len=max(max_len, 1024), **scheduler_kwargs)
+    if llm is None:
+        llm = LLM(model, show_progress=False, max_model_len=max(max_len, 1024), **scheduler_kwargs)
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = list(range(100, 30000))
@@ -75,7 +82,8 @@ def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len:
             step()
         steps = control_steps
         window_end = time.time()
-    step()  # one more step, so every gap that began in the window has its end
+    for _ in range(max(extra_steps, 1)):  # so every gap that began in the window has its end
+        step()
     engine.abort_request([r for r in (*chat_ids, "long") if r in latest and not latest[r].finished])
     _, window = stall_window([latest[r].metrics.token_times for r in chat_ids], arrival,
                              window_end, steady_span=0.0)
@@ -83,6 +91,10 @@ def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len:
         "gaps": window,
         "steps": steps,
         "long_prompt_ttft_s": (window_end - arrival) if control_steps is None else None,
+        "arrival": arrival,
+        "window_end": window_end,
+        "token_times": {r: list(out.metrics.token_times) for r, out in latest.items()},
+        "trace": engine.get_step_trace(),
     }
 
 

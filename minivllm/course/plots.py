@@ -44,3 +44,120 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     if title:
         ax.set_title(title)
     return colors
+
+
+def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float,
+                        marks: dict | None = None,
+                        highlight: str | None = None, title: str | None = None,
+                        unit: str = "s") -> None:
+    """One row per request, one tick per output token, at its time minus ``t0``.
+
+    A stall is a vertical band where no row has a tick. ``marks``: {label: time} drawn as
+    vertical lines (the long prompt's arrival, its first token). ``highlight``: a request
+    drawn in another colour (the long prompt).
+    """
+    rids = list(token_times)
+    scale = 1e3 if unit == "ms" else 1.0
+    rows = [[(t - t0) * scale for t in token_times[r]] for r in rids]
+    colors = ["tab:red" if r == highlight else "tab:blue" for r in rids]
+    ax.eventplot(rows, colors=colors, lineoffsets=range(len(rids)), linelengths=0.7, linewidths=1)
+    ax.set_yticks(range(len(rids)), rids, fontsize=7)
+    ax.invert_yaxis()
+    for (label, t), style in zip((marks or {}).items(), ("--", ":", "-.")):
+        ax.axvline((t - t0) * scale, color="k", linestyle=style, linewidth=1, label=label)
+    if marks:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_xlabel(f"time since the long prompt arrived ({unit})")
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
+                  title: str | None = None) -> None:
+    """The distribution of times between consecutive output tokens, one curve per run, with each
+    run's P99 marked (a stall lives in the tail: the median barely moves)."""
+    from minivllm.benchmarks.common import percentile
+
+    scale = 1e3 if unit == "ms" else 1.0
+    for label, values in gaps.items():
+        v = sorted(g * scale for g in values)
+        if not v:
+            continue
+        y = [(i + 1) / len(v) for i in range(len(v))]
+        line, = ax.step(v, y, where="post", label=f"{label} (P99 {percentile(v, 99):.0f} {unit})")
+        ax.axvline(percentile(v, 99), color=line.get_color(), linestyle=":", linewidth=1)
+    plain_log_axis(ax.xaxis)
+    ax.set_xlabel(f"time per output token ({unit}, log scale)")
+    ax.set_ylabel("fraction of tokens")
+    ax.axhline(0.99, color="0.6", linewidth=0.8)
+    ax.legend(loc="lower right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit: str = "ms",
+                       title: str | None = None) -> None:
+    """Each gap between two consecutive tokens of a request, plotted at the time the later one
+    came out (one line per run): a stall is a spike, a slow-down a plateau."""
+    scale = 1e3 if unit == "ms" else 1.0
+    for label, times in token_times.items():
+        ax.plot([(b - t0) * scale for b in times[1:]],
+                [(b - a) * 1e3 for a, b in zip(times, times[1:])], ".-", markersize=3, label=label)
+    plain_log_axis(ax.yaxis)
+    ax.set_xlabel(f"time since the long prompt arrived ({unit})")
+    ax.set_ylabel("time since the previous token (ms, log scale)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def plain_log_axis(axis) -> None:
+    """Make ``axis`` (``ax.xaxis`` or ``ax.yaxis``) a log scale with ticks at 1, 2, 5, 10, 20, ...
+    labelled as plain numbers (not 10^1, 2x10^2, ...)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    if axis is axis.axes.xaxis:
+        axis.axes.set_xscale("log")
+    else:
+        axis.axes.set_yscale("log")
+    axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+
+
+def draw_scheduler_tick(ax, step: dict, order: list[str], waiting: list[str] | None = None) -> None:
+    """One scheduler step (an entry of ``get_step_trace()``) as horizontal bars: how many tokens
+    each request got, decode (blue) or prefill chunk (orange); the last bar stacks the whole
+    step against its token budget. Preempted requests are marked."""
+    from matplotlib.patches import Patch
+
+    got = {rid: (n, kind) for rid, n, kind in step["scheduled"]}
+    preempted = set(step.get("preempted", []))
+    color = {"decode": "tab:blue", "prefill": "tab:orange"}
+    for i, rid in enumerate(order):
+        n, kind = got.get(rid, (0, None))
+        if n:
+            ax.barh(i, n, color=color[kind])
+            ax.text(n + 0.3, i, str(n), va="center", fontsize=8)
+        elif rid in preempted:
+            ax.text(0.3, i, "preempted: blocks freed, back to the front of the queue",
+                    va="center", fontsize=8, color="tab:red")
+        elif waiting and rid in waiting:
+            ax.text(0.3, i, "waiting", va="center", fontsize=8, color="0.4")
+    left = 0
+    total_row = len(order) + 0.5
+    for rid, n, kind in step["scheduled"]:
+        ax.barh(total_row, n, left=left, color=color[kind], edgecolor="white", linewidth=0.5)
+        left += n
+    budget = step["token_budget"]
+    ax.axvline(budget, color="k", linestyle="--", linewidth=1)
+    ax.text(budget, -0.9, f" budget {budget}", fontsize=8, va="center")
+    ax.set_yticks([*range(len(order)), total_row], [*order, "whole step"], fontsize=8)
+    ax.set_ylim(total_row + 0.8, -1.4)
+    ax.set_xlim(0, budget * 1.6)
+    ax.set_xlabel("tokens scheduled in this step")
+    ax.set_title(f"step {step['step']}: {step['num_scheduled_tokens']} of {budget} budget tokens "
+                 f"used", fontsize=9)
+    ax.legend(handles=[Patch(color="tab:blue", label="decode (1 token)"),
+                       Patch(color="tab:orange", label="prefill chunk")],
+              loc="center right", fontsize=7)

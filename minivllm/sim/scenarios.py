@@ -23,7 +23,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 32000) for _ in range(n)]
 
 
-def long_prompt_stall(
+def long_prompt_sim(
     scheduler: str = "v1",
     chunk_size: int = 512,
     num_decoding: int = 64,
@@ -35,14 +35,9 @@ def long_prompt_stall(
     block_size: int = 16,
     cost_model: CostModel | None = None,
     seed: int = 0,
-) -> dict:
-    """TPOT of the decoding requests around the long prompt's arrival, v0 vs v1.
-
-    "steady" is the median gap between consecutive tokens in the second before the long prompt
-    arrives (everyone decoding, the initial prefills long done);
-    the "window" holds every gap that ends between its arrival and its first token (plus one
-    steady step), i.e. the decodes that had to share the machine with its prefill.
-    """
+) -> SimEngine:
+    """The long-prompt scenario, run to the end on the simulated engine (``sim.records`` holds
+    every request's simulated token times: what a timeline plot needs)."""
     rng = random.Random(seed)
     max_len = max(long_prompt_len, decode_prompt_len + decode_output_len) + 64
     if scheduler == "v1":
@@ -57,8 +52,29 @@ def long_prompt_stall(
     for i in range(num_decoding):
         sim.add_request(f"chat-{i}", _tokens(rng, decode_prompt_len), decode_output_len, 0.0)
     sim.add_request("long", _tokens(rng, long_prompt_len), 16, long_prompt_arrival)
-    records = sim.run()
+    sim.run()
+    return sim
 
+
+def long_prompt_stall(
+    scheduler: str = "v1",
+    chunk_size: int = 512,
+    num_decoding: int = 64,
+    long_prompt_arrival: float = 3.0,
+    cost_model: CostModel | None = None,
+    **kwargs,
+) -> dict:
+    """TPOT of the decoding requests around the long prompt's arrival, v0 vs v1.
+
+    "steady" is the median gap between consecutive tokens in the second before the long prompt
+    arrives (everyone decoding, the initial prefills long done);
+    the "window" holds every gap that ends between its arrival and its first token (plus one
+    steady step), i.e. the decodes that had to share the machine with its prefill.
+    Other keyword arguments: those of ``long_prompt_sim``.
+    """
+    sim = long_prompt_sim(scheduler, chunk_size, num_decoding,
+                          long_prompt_arrival=long_prompt_arrival, cost_model=cost_model, **kwargs)
+    records = sim.records
     long = records["long"]
     before, window = stall_window(
         [records[f"chat-{i}"].token_times for i in range(num_decoding)],

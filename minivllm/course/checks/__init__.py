@@ -10,6 +10,7 @@ from minivllm.course.checks.common import CheckFailed
 from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
 from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
 from minivllm.course.checks.sampler import check_sampler
+from minivllm.course.checks.scheduler import check_phase_separated_scheduler, check_unified_scheduler
 
 __all__ = [
     "CheckFailed",
@@ -19,4 +20,6 @@ __all__ = [
     "check_sampler",
     "check_slot_mapping",
     "check_paged_attention",
+    "check_phase_separated_scheduler",
+    "check_unified_scheduler",
 ]

@@ -1,0 +1,71 @@
+"""Give a loaded engine another scheduler, without loading the model again.
+
+Loading the weights takes seconds; a scheduler and a KV cache manager take microseconds. The
+chapters that compare schedulers (v0 against v1, a sweep of chunk sizes) and the scheduler
+checkers build one ``LLM`` and, for each setting, swap in what ``LLM(**the same arguments,
+**overrides)`` would have built around the same model: a fresh scheduler over a fresh, empty KV
+cache manager, so nothing an earlier run computed or cached is reused.
+
+    with swapped_scheduler(llm, scheduler="v0", max_num_batched_tokens=2048):
+        llm.generate(...)          # runs under the v0 scheduler
+    # the LLM's own scheduler is back
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from contextlib import contextmanager
+
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.course.views import engine_core
+
+# what a swap may change: how requests are scheduled, never the model or the cache's layout
+SWAPPABLE = ("scheduler", "scheduler_cls", "max_num_seqs", "max_num_batched_tokens",
+             "enable_chunked_prefill", "long_prefill_token_threshold", "enable_prefix_caching",
+             "num_kv_blocks")
+
+
+@contextmanager
+def swapped_scheduler(llm, **overrides):
+    """Run ``llm`` with the scheduler these engine arguments describe; yields the scheduler.
+
+    The arguments are checked exactly as ``LLM(...)`` checks them (e.g. ``scheduler="v0"``
+    needs ``max_num_batched_tokens >= max_model_len``). ``num_kv_blocks`` may shrink the KV
+    cache (to force preemption), never grow it. The step trace starts empty. On leaving,
+    requests still unfinished are aborted and the LLM's own scheduler and trace come back.
+    """
+    unknown = set(overrides) - set(SWAPPABLE)
+    if unknown:
+        raise ValueError(f"swapped_scheduler can change only {SWAPPABLE}, not {sorted(unknown)}")
+    core = engine_core(llm)
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine still has unfinished requests: finish or abort them first")
+    capacity = core.model_runner.kv_caches[0].shape[1]  # blocks the KV cache tensors hold
+    num_blocks = overrides.get("num_kv_blocks") or capacity
+    if num_blocks > capacity:
+        raise ValueError(f"num_kv_blocks={num_blocks}: the KV cache holds only {capacity} blocks")
+    config = dataclasses.replace(llm.engine_args, **overrides).create_config()
+
+    from minivllm.engine.core import SCHEDULER_CLASSES
+
+    kv_cache_manager = (config.kv_cache_manager_cls or KVCacheManager)(
+        num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+        hash_algo=config.prefix_caching_hash_algo,
+        block_pool_cls=config.block_pool_cls or BlockPool,
+    )
+    scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
+    scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
+    saved = core.scheduler, core.step_trace, core.num_steps
+    core.scheduler, core.step_trace, core.num_steps = scheduler, deque(maxlen=saved[1].maxlen), 0
+    try:
+        yield scheduler
+    finally:
+        left = list(engine.output_processor.requests)
+        if left:
+            engine.abort_request(left)
+        for rid in scheduler.finished_req_ids:  # the runner forgets their sampling state
+            core.model_runner.request_generators.pop(rid, None)
+        core.scheduler, core.step_trace, core.num_steps = saved
