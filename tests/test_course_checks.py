@@ -426,3 +426,64 @@ class _FreesSharedBlocks(BlockPool):
 ])
 def test_block_pool_mistakes_fail_naming_them(pool_cls, fragments):
     _fails(checks.check_block_pool, pool_cls, "Exercise 6.2", *fragments)
+
+
+def _busy_sim():
+    """A simulated engine mid-run: requests sharing a prefix, some finished (cached-free blocks)."""
+    from minivllm.config import SchedulerConfig
+    from minivllm.sim.engine import SimEngine
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48)
+    sim = SimEngine(14, 4, scheduler_config=cfg)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    sim.add_request("done", prefix + [9, 9, 9, 9, 9], 1)
+    sim.step()
+    sim.step()
+    for i in range(2):
+        sim.add_request(f"r{i}", prefix + [20 + i] * 5, 6, arrival_time=sim.clock)
+    sim.step()
+    return sim
+
+
+def _held(sim):
+    manager = sim.kv_cache_manager
+    return manager.get_blocks("r0")
+
+
+def _corrupt_ref_cnt(sim):
+    _held(sim)[0].ref_cnt += 1
+
+
+def _corrupt_map(sim):
+    pool = sim.kv_cache_manager.block_pool
+    h = _held(sim)[0].block_hash
+    pool.cached_block_hash_to_block[h] = _held(sim)[-1]
+
+
+def _corrupt_stale_hash(sim):
+    pool = sim.kv_cache_manager.block_pool
+    block = _held(sim)[1]
+    del pool.cached_block_hash_to_block[block.block_hash]
+    block.block_hash = b"x" * 32
+    pool.cached_block_hash_to_block[block.block_hash] = block
+
+
+def _corrupt_free_and_held(sim):
+    sim.kv_cache_manager.block_pool.free_block_queue.append(_held(sim)[-1])
+
+
+@pytest.mark.parametrize("corrupt, fragment", [
+    (_corrupt_ref_cnt, "live requests hold it"),
+    (_corrupt_map, "the hash map sends"),
+    (_corrupt_stale_hash, "(a stale hash)"),
+    (_corrupt_free_and_held, "both in the free queue and referenced"),
+])
+def test_kv_cache_invariants_name_what_is_broken(corrupt, fragment):
+    from minivllm.course.checks.block_rules import kv_cache_violations
+
+    sim = _busy_sim()
+    assert kv_cache_violations(sim.scheduler) == []
+    assert sim.kv_cache_manager.block_pool.get_num_cached_free_blocks() > 0  # a realistic state
+    corrupt(sim)
+    problems = kv_cache_violations(sim.scheduler)
+    assert any(fragment in p for p in problems), problems
