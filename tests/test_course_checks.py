@@ -418,7 +418,7 @@ class _FreesSharedBlocks(BlockPool):
 
 
 @pytest.mark.parametrize("pool_cls, fragments", [
-    (_ForwardFree, ["expected block", "in the order free_blocks put them there"]),
+    (_ForwardFree, ["returned blocks [5]; expected [3]", "in the order free_blocks put them there"]),
     (_NoEviction, ["old hash survived", "evict it"]),
     (_TouchKeepsQueued, ["take it out of the free queue"]),
     (_NewestFirst, ["in the order free_blocks put them there"]),
@@ -487,3 +487,11 @@ def test_kv_cache_invariants_name_what_is_broken(corrupt, fragment):
     corrupt(sim)
     problems = kv_cache_violations(sim.scheduler)
     assert any(fragment in p for p in problems), problems
+
+
+def test_block_hash_chain_that_returns_nothing_fails():
+    def returns_none(request, block_size):
+        _chain(_blake2_block)(request, block_size)
+
+    _fails(checks.check_block_hashes, _blake2_block, "returned None instead of request.block_hashes",
+           update_block_hashes=returns_none)

@@ -22,7 +22,6 @@ import numpy as np
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
-from minivllm.core.kv_cache_utils import update_block_hashes as reference_update_block_hashes
 from minivllm.core.request import Request
 from minivllm.course.checks.block_rules import (
     all_free_violations, checked_block_pool_cls, kv_cache_violations,
@@ -98,21 +97,30 @@ def _check_block_hash(h, exercise: str, rng) -> None:
     ]
     for what, a, b in pairs:
         if h(a[0], list(a[1]), list(a[2])) == h(b[0], list(b[1]), list(b[2])):
-            show = {"parent_block_hash": lambda x: "None" if x[0] is None else x[0].hex()[:8] + "...",
-                    "token_ids": lambda x: str(x[1][:6]) + ("..." if len(x[1]) > 6 else ""),
-                    "extra_keys": lambda x: str(x[2])}[what]
-            why = {"parent_block_hash": "a block's hash must cover its parent's hash, so that equal "
-                                        "blocks after different prefixes get different names",
-                   "token_ids": "every token id, in order, must count (encode them unambiguously, "
-                                "e.g. each as 4 bytes)",
-                   "extra_keys": "the extra keys (the cache salt) must count"}[what]
-            fail(exercise, f"hash_block_tokens gives the same hash for {what} {show(a)} and {show(b)}: "
-                           f"{why}.")
+            fail(exercise, f"hash_block_tokens gives the same hash for {what} {_show(what, a)} and "
+                           f"{_show(what, b)}: {SENSITIVE[what]}.")
 
 
-def _random_request(rng, rid: str, block_size: int, salt: str | None, prefix=()) -> Request:
-    n = int(rng.integers(0, 5 * block_size))
-    tokens = list(prefix) + [int(t) for t in rng.integers(0, 50_000, n)]
+SENSITIVE = {
+    "parent_block_hash": "a block's hash must cover its parent's hash, so that equal blocks after "
+                         "different prefixes get different names",
+    "token_ids": "every token id, in order, must count (encode them unambiguously, e.g. each as 4 "
+                 "bytes)",
+    "extra_keys": "the extra keys (the cache salt) must count",
+}
+
+
+def _show(what: str, args: tuple) -> str:
+    parent, tokens, extra = args
+    if what == "parent_block_hash":
+        return "None" if parent is None else parent.hex()[:8] + "..."
+    if what == "token_ids":
+        return str(tokens[:6])[:-1] + (", ...]" if len(tokens) > 6 else "]")
+    return str(extra)
+
+
+def _random_request(rng, rid: str, block_size: int, salt: str | None) -> Request:
+    tokens = [int(t) for t in rng.integers(0, 50_000, int(rng.integers(0, 5 * block_size)))]
     return Request.from_prompt(rid, tokens, cache_salt=salt)
 
 
@@ -120,7 +128,7 @@ def _check_chain(h, update, exercise: str, rng) -> int:
     cases = 0
     for block_size in (1, 4, 16):
         for salt in (None, "tenant-a"):
-            for k in range(4):
+            for _ in range(4):
                 request = _random_request(rng, f"r{cases}", block_size, salt)
                 _check_one_chain(h, update, request, block_size, exercise)
                 cases += 1
@@ -174,7 +182,7 @@ def _check_one_chain(h, update, request: Request, block_size: int, exercise: str
     what = (f"update_block_hashes(request with {request.num_tokens} tokens, cache_salt="
             f"{request.cache_salt!r}, block_size={block_size})")
     if got is not hashes and (not isinstance(got, list) or got != hashes):
-        fail(exercise, f"{what} returned {type(got).__name__ if got is None else 'a list'} other than "
+        fail(exercise, f"{what} returned {'None' if got is None else 'something else'} instead of "
                        "request.block_hashes: extend request.block_hashes in place and return it (the "
                        "engine looks blocks up by the list it returns)")
     if len(hashes) != request.num_tokens // block_size:
