@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.course import checks
+from minivllm.core.block_pool import BlockPool
 from minivllm.course.checks.model import _rope_interleaved
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 from minivllm.sample.sampler import Sampler
@@ -449,3 +450,254 @@ def test_unsolved_scheduler_exercise_propagates_not_implemented_error():
 
     with pytest.raises(NotImplementedError, match="Exercise 5.1"):
         checks.check_unified_scheduler(Unsolved)
+
+
+# -- 6.1 the block hash chain ----------------------------------------------------------------------
+
+def _blake2_block(parent, token_ids, extra_keys):
+    """A correct hash written differently from the package's: blake2b over JSON."""
+    import hashlib
+    import json
+
+    data = json.dumps([parent.hex() if parent else None, list(token_ids), list(extra_keys or [])])
+    return hashlib.blake2b(data.encode(), digest_size=20).digest()
+
+
+def _chain(block_hash, salt_everywhere=False, chained=True, from_scratch=False):
+    def update(request, block_size):
+        hashes = request.block_hashes
+        start = 0 if from_scratch else len(hashes)
+        tokens = request.all_token_ids
+        for i in range(start, len(tokens) // block_size):
+            parent = hashes[i - 1] if i and chained else None
+            salted = request.cache_salt is not None and (i == 0 or salt_everywhere)
+            extra = [request.cache_salt] if salted else []
+            hashes.append(block_hash(parent, tokens[i * block_size:(i + 1) * block_size], extra))
+        return hashes
+
+    return update
+
+
+@pytest.mark.slow
+def test_block_hash_check_passes_a_blake2_json_chain(capsys):
+    checks.check_block_hashes(_blake2_block, _chain(_blake2_block))
+    assert "Exercise 6.1 passed" in capsys.readouterr().out
+
+
+def _python_hash_block(parent, token_ids, extra_keys):
+    return hash((parent, tuple(token_ids), tuple(extra_keys or ()))).to_bytes(8, "little", signed=True)
+
+
+def _parentless_block(parent, token_ids, extra_keys):
+    return _blake2_block(None, token_ids, extra_keys)
+
+
+@pytest.mark.parametrize("block_hash, update, fragments", [
+    (_python_hash_block, _chain(_python_hash_block), ["built-in hash()", "hashlib.sha256"]),
+    (_parentless_block, _chain(_parentless_block), ["parent_block_hash", "cover its parent's hash"]),
+    (_blake2_block, _chain(_blake2_block, chained=False), ["ignores its parent"]),
+    (_blake2_block, _chain(_blake2_block, salt_everywhere=True), ["block 0 only"]),
+    (_blake2_block, _chain(_blake2_block, from_scratch=True), ["from len(request.block_hashes) on"]),
+    (lambda p, t, e: _blake2_block(p, t, []), _chain(_blake2_block), ["extra_keys", "must count"]),
+    (lambda p, t, e: _blake2_block(p, t, e).hex(), _chain(_blake2_block), ["expected bytes"]),
+])
+def test_block_hash_mistakes_fail_naming_them(block_hash, update, fragments):
+    _fails(checks.check_block_hashes, block_hash, "Exercise 6.1", *fragments, update_block_hashes=update)
+
+
+def test_block_hash_check_restores_pythons_hash():
+    import builtins
+
+    real = builtins.hash
+    _fails(checks.check_block_hashes, _python_hash_block, "hash()",
+           update_block_hashes=_chain(_python_hash_block))
+    assert builtins.hash is real
+
+
+# -- 6.2 the block pool ----------------------------------------------------------------------------
+
+class _OrderedDictPool:
+    """A correct pool written differently: an OrderedDict as the free queue, no linked list."""
+
+    def __init__(self, num_blocks, enable_caching=True):
+        from collections import OrderedDict
+
+        from minivllm.core.block_pool import KVCacheBlock
+
+        self.num_blocks, self.enable_caching = num_blocks, enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_block_hash_to_block = {}
+
+    @property
+    def free_block_queue(self):
+        return list(self._free.values())
+
+    def get_num_free_blocks(self):
+        return len(self._free)
+
+    def get_num_cached_free_blocks(self):
+        return sum(b.block_hash is not None for b in self._free.values())
+
+    def get_usage(self):
+        return 1 - len(self._free) / self.num_blocks
+
+    def get_cached_block(self, block_hash):
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks):
+        taken = [self._free.popitem(last=False)[1] for _ in range(num_blocks)]
+        for b in taken:
+            if b.block_hash is not None:
+                del self.cached_block_hash_to_block[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+        return taken
+
+    def touch(self, blocks):
+        for b in blocks:
+            self._free.pop(b.block_id, None)
+            b.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks):
+        for b in ordered_blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def cache_full_blocks(self, blocks, block_hashes, num_cached_blocks, num_full_blocks):
+        if not self.enable_caching:
+            return
+        for b, h in zip(blocks[num_cached_blocks:num_full_blocks],
+                        block_hashes[num_cached_blocks:num_full_blocks]):
+            if b.block_hash is None and h not in self.cached_block_hash_to_block:
+                b.block_hash, self.cached_block_hash_to_block[h] = h, b
+
+    def reset_prefix_cache(self):
+        if len(self._free) != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+
+@pytest.mark.slow
+def test_block_pool_check_passes_an_ordered_dict_pool(capsys):
+    checks.check_block_pool(_OrderedDictPool)
+    assert "Exercise 6.2 passed" in capsys.readouterr().out
+
+
+class _ForwardFree(BlockPool):
+    def free_blocks(self, ordered_blocks):  # "the request's blocks in their order"
+        super().free_blocks(list(ordered_blocks)[::-1])
+
+
+class _NoEviction(BlockPool):
+    def _evict(self, block):
+        pass
+
+
+class _TouchKeepsQueued(BlockPool):
+    def touch(self, blocks):
+        for block in blocks:
+            block.ref_cnt += 1
+
+
+class _NewestFirst(_OrderedDictPool):
+    def get_new_blocks(self, num_blocks):  # a stack: the most recently freed block first
+        taken = [self._free.popitem(last=True)[1] for _ in range(num_blocks)]
+        for b in taken:
+            if b.block_hash is not None:
+                del self.cached_block_hash_to_block[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+        return taken
+
+
+class _FreesSharedBlocks(BlockPool):
+    def free_blocks(self, ordered_blocks):  # queues a block even when another request holds it
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.prev_free_block is None:
+                self.free_block_queue.append(block)
+
+
+@pytest.mark.parametrize("pool_cls, fragments", [
+    (_ForwardFree, ["returned blocks [5]; expected [3]", "in the order free_blocks put them there"]),
+    (_NoEviction, ["old hash survived", "evict it"]),
+    (_TouchKeepsQueued, ["take it out of the free queue"]),
+    (_NewestFirst, ["in the order free_blocks put them there"]),
+    (_FreesSharedBlocks, ["random workload", "while other requests still hold them"]),
+])
+def test_block_pool_mistakes_fail_naming_them(pool_cls, fragments):
+    _fails(checks.check_block_pool, pool_cls, "Exercise 6.2", *fragments)
+
+
+def _busy_sim():
+    """A simulated engine mid-run: requests sharing a prefix, some finished (cached-free blocks)."""
+    from minivllm.config import SchedulerConfig
+    from minivllm.sim.engine import SimEngine
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48)
+    sim = SimEngine(14, 4, scheduler_config=cfg)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    sim.add_request("done", prefix + [9, 9, 9, 9, 9], 1)
+    sim.step()
+    sim.step()
+    for i in range(2):
+        sim.add_request(f"r{i}", prefix + [20 + i] * 5, 6, arrival_time=sim.clock)
+    sim.step()
+    return sim
+
+
+def _held(sim):
+    manager = sim.kv_cache_manager
+    return manager.get_blocks("r0")
+
+
+def _corrupt_ref_cnt(sim):
+    _held(sim)[0].ref_cnt += 1
+
+
+def _corrupt_map(sim):
+    pool = sim.kv_cache_manager.block_pool
+    h = _held(sim)[0].block_hash
+    pool.cached_block_hash_to_block[h] = _held(sim)[-1]
+
+
+def _corrupt_stale_hash(sim):
+    pool = sim.kv_cache_manager.block_pool
+    block = _held(sim)[1]
+    del pool.cached_block_hash_to_block[block.block_hash]
+    block.block_hash = b"x" * 32
+    pool.cached_block_hash_to_block[block.block_hash] = block
+
+
+def _corrupt_free_and_held(sim):
+    sim.kv_cache_manager.block_pool.free_block_queue.append(_held(sim)[-1])
+
+
+@pytest.mark.parametrize("corrupt, fragment", [
+    (_corrupt_ref_cnt, "live requests hold it"),
+    (_corrupt_map, "the hash map sends"),
+    (_corrupt_stale_hash, "(a stale hash)"),
+    (_corrupt_free_and_held, "both in the free queue and referenced"),
+])
+def test_kv_cache_invariants_name_what_is_broken(corrupt, fragment):
+    from minivllm.course.checks.block_rules import kv_cache_violations
+
+    sim = _busy_sim()
+    assert kv_cache_violations(sim.scheduler) == []
+    assert sim.kv_cache_manager.block_pool.get_num_cached_free_blocks() > 0  # a realistic state
+    corrupt(sim)
+    problems = kv_cache_violations(sim.scheduler)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_block_hash_chain_that_returns_nothing_fails():
+    def returns_none(request, block_size):
+        _chain(_blake2_block)(request, block_size)
+
+    _fails(checks.check_block_hashes, _blake2_block, "returned None instead of request.block_hashes",
+           update_block_hashes=returns_none)

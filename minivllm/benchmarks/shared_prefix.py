@@ -27,14 +27,18 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.set_defaults(func=main)
 
 
-def run_once(model, caching: bool, prompts: list[list[int]], output_len: int) -> dict:
+def run_once(model, caching: bool, prompts: list[list[int]], output_len: int, **engine_args) -> dict:
+    """All ``prompts`` arrive at once; a KV cache big enough for every one of them, unshared.
+
+    ``engine_args`` go to ``LLM`` (e.g. ``max_num_batched_tokens``).
+    """
     from minivllm import LLM, SamplingParams
 
     block_size = 16
-    need = len(prompts) * -(-(len(prompts[0]) + output_len) // block_size)
-    max_len = len(prompts[0]) + output_len
+    max_len = max(len(p) for p in prompts) + output_len
+    need = len(prompts) * -(-max_len // block_size)
     llm = LLM(model, show_progress=False, enable_prefix_caching=caching, num_kv_blocks=need + 16,
-              block_size=block_size, max_model_len=max_len)
+              block_size=block_size, max_model_len=max_len, **engine_args)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.time()
@@ -47,6 +51,7 @@ def run_once(model, caching: bool, prompts: list[list[int]], output_len: int) ->
         peak_blocks = max(peak_blocks, engine.get_stats()["kv_blocks_used"])
     elapsed = time.time() - start
     stats = engine.get_stats()
+    finished.sort(key=lambda o: int(o.request_id))
     ttfts = [o.metrics.ttft for o in finished]
     return {
         "mean_ttft_s": sum(ttfts) / len(ttfts),
@@ -55,7 +60,8 @@ def run_once(model, caching: bool, prompts: list[list[int]], output_len: int) ->
         "peak_kv_blocks_used": peak_blocks,
         "prefix_cache_hit_tokens": stats["prefix_cache_hits"],
         "kv_blocks_used_after": stats["kv_blocks_used"],
-        "outputs": [o.outputs[0].token_ids for o in sorted(finished, key=lambda o: int(o.request_id))],
+        "ttfts_s": ttfts,  # per request, in the order of ``prompts``
+        "outputs": [o.outputs[0].token_ids for o in finished],
     }
 
 

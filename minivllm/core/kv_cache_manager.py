@@ -11,12 +11,19 @@ The scheduler asks three questions of it (vLLM v1's API, chapter 06):
   the *same* step can already share them.
 * ``free(request)`` — release its blocks, last block first, so the tail of a prefix is the
   first to be evicted and the shared head of it the last.
+
+How a request's blocks are named is one function, ``block_hasher(request, block_size)``
+(``update_block_hashes`` with the configured hash algorithm unless another is given): chapter
+06's exercise swaps in the learner's hash chain here.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
-from minivllm.core.kv_cache_utils import update_block_hashes
+from minivllm.core.kv_cache_utils import BlockHash, update_block_hashes
 from minivllm.core.request import Request
 
 
@@ -32,10 +39,13 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         block_pool_cls: type = BlockPool,
+        block_hasher: Callable[[Request, int], list[BlockHash]] | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
+        # extends request.block_hashes to cover its full blocks, and returns them
+        self.block_hasher = block_hasher or functools.partial(update_block_hashes, algo=hash_algo)
         self.block_pool = block_pool_cls(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
@@ -48,7 +58,7 @@ class KVCacheManager:
         """The request's longest cached prefix: (blocks, number of tokens they hold)."""
         if not self.enable_caching:
             return [], 0
-        hashes = update_block_hashes(request, self.block_size, self.hash_algo)
+        hashes = self.block_hasher(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size  # keep >= 1 token to compute
         hits: list[KVCacheBlock] = []
         for h in hashes[:max_blocks]:
@@ -87,7 +97,7 @@ class KVCacheManager:
 
         if self.enable_caching:
             num_full = num_tokens_after // self.block_size
-            hashes = update_block_hashes(request, self.block_size, self.hash_algo)
+            hashes = self.block_hasher(request, self.block_size)
             already = self.num_cached_blocks.get(request.request_id, 0)
             self.block_pool.cache_full_blocks(blocks, hashes, already, num_full)
             self.num_cached_blocks[request.request_id] = max(already, num_full)

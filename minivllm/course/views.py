@@ -25,3 +25,20 @@ def block_tables(llm) -> dict[str, list[int]]:
 def running_requests(llm) -> list:
     """The scheduler's running ``Request`` objects (prompt, outputs, ``num_computed_tokens``)."""
     return list(engine_core(llm).scheduler.running)
+
+
+def kv_block_states(llm) -> dict:
+    """Every KV block's state, for ``plots.draw_block_states`` (chapter 06).
+
+    ``ref_cnt``: per block, how many running requests hold it; ``block_hash``: per block, the
+    first 8 hex digits of its hash (None: no hash, not in the prefix cache); ``free_order``: the
+    free queue from its head (the next block ``get_new_blocks`` takes) to its tail; ``tables``:
+    request id -> its block ids.
+    """
+    pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
+    return {
+        "ref_cnt": [b.ref_cnt for b in pool.blocks],
+        "block_hash": [None if b.block_hash is None else b.block_hash.hex()[:8] for b in pool.blocks],
+        "free_order": [b.block_id for b in pool.free_block_queue],
+        "tables": block_tables(llm),
+    }

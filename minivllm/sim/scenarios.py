@@ -152,4 +152,7 @@ def shared_system_prompt(
         * block_bytes / GB,
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in records.values()),
         "all_finished": all(r.finished for r in records.values()),
+        # simulated seconds: mean time to first token, and until the last session finished
+        "mean_ttft_s": sum(r.ttft for r in records.values()) / len(records),
+        "sim_time_s": sim.clock,
     }

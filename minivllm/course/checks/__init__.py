@@ -9,6 +9,7 @@ what came back when it does not.
 from minivllm.course.checks.common import CheckFailed
 from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
 from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
+from minivllm.course.checks.prefix import check_block_hashes, check_block_pool
 from minivllm.course.checks.sampler import check_sampler
 from minivllm.course.checks.scheduler import check_phase_separated_scheduler, check_unified_scheduler
 
@@ -22,4 +23,6 @@ __all__ = [
     "check_paged_attention",
     "check_phase_separated_scheduler",
     "check_unified_scheduler",
+    "check_block_hashes",
+    "check_block_pool",
 ]
