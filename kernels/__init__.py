@@ -1,4 +1,4 @@
-"""Triton kernels, each beside the plain-torch reference it is tested against (chapter 08).
+"""Triton kernels, each beside the plain-torch reference it is tested against.
 
 Installed as ``minivllm.kernels`` (``import minivllm.kernels``). Every module here pairs a Triton
 kernel with ``reference``, the plain-torch function of the same signature that the tests compare
@@ -15,6 +15,9 @@ it to (the references live where the engine uses them: ``minivllm.attention.torc
 | ``rms_norm``           | ``rms_norm``               | RMSNorm, optionally fused with the residual add|
 | ``rotary_embedding``   | ``rotary_embedding``       | RoPE (neox layout) from a cos/sin table        |
 | ``activation``         | ``silu_and_mul``           | SwiGLU's silu(gate) * up                       |
+
+``attention_tile`` holds what both attention kernels do for each tile of context: the paged read
+of its K/V and the online-softmax update (Triton inlines them).
 
 Importing this package never needs triton (Triton ships Linux wheels only): ``HAS_TRITON`` says
 whether the kernels can run, ``triton_unavailable_reason`` says why not. The kernel modules

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from minivllm.attention.torch_backend import paged_decode_attention as reference  # noqa: F401
+from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context tokens per tile
@@ -68,20 +69,13 @@ def _decode_partition_kernel(
     for tile in range(start, end, BLOCK_N):
         t = tile + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + t // block_size,
-                        mask=t_mask, other=0).to(tl.int64)
-        row = block * stride_c_block + (t % block_size) * stride_c_off + kv_head * stride_c_head
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
+                            t, t_mask, d, d_mask, kv_head,
+                            block_size, stride_c_block, stride_c_off, stride_c_head)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # the running max is finite from the first tile on: every tile has a valid token
+        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if SINGLE_SPLIT:  # the whole context was ours: normalise and write the output directly
         out_rows = seq * stride_o_seq + heads * stride_o_head
