@@ -5,7 +5,7 @@
     scheduler.schedule()  ->  model_runner.execute_model()  ->  scheduler.update_from_output()
 
 It knows nothing of text, HTTP or asyncio, which is what lets it run in a process of its own
-(chapter 07) while the front end tokenizes and streams.
+(``core_proc.py``) while the front end tokenizes and streams.
 """
 
 from __future__ import annotations

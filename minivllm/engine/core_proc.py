@@ -1,4 +1,4 @@
-"""The engine core's busy loop, and the engine core process built around it (chapter 07).
+"""The engine core's busy loop, and the engine core process built around it.
 
 ``EngineCoreProc`` drives an ``EngineCore``: take every message waiting in ``input_queue``
 (add, abort, a utility call), run one step, hand the outputs to ``output_put``, repeat; sleep
