@@ -69,6 +69,10 @@ class EngineArgs:
     # (with compile=True, torch.compile fuses the plain-torch ops instead)
     custom_ops: str = "auto"
     multiprocess: bool = False
+    # how many recent steps get_step_trace() keeps (what each step scheduled, its duration);
+    # 0 turns the trace off. On for LLM and the course; `minivllm serve` defaults to 0, so a
+    # server's memory does not grow with its uptime.
+    trace_steps: int = 100_000
     # injectable components (the course's exercises plug the learner's classes in here)
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
@@ -133,6 +137,7 @@ class EngineArgs:
             use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
             compile=self.compile,
             multiprocess=self.multiprocess,
+            trace_steps=self.trace_steps,
             scheduler_cls=self.scheduler_cls,
             kv_cache_manager_cls=self.kv_cache_manager_cls,
             block_pool_cls=self.block_pool_cls,
@@ -189,6 +194,7 @@ class EngineArgs:
         need_int("max_num_batched_tokens", 1, optional=True)
         need_int("max_model_len", 2, optional=True)
         need_int("long_prefill_token_threshold", 0)
+        need_int("trace_steps", 0)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -255,6 +261,7 @@ class EngineConfig:
     use_cuda_graph: bool
     compile: bool
     multiprocess: bool
+    trace_steps: int = 100_000
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None

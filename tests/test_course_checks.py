@@ -333,7 +333,7 @@ class _V0(Scheduler):
             self._prefill(entries)
         if not entries or self.mix:
             self._decode(entries, running, preempted)
-        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+        return self.make_scheduler_output(entries, preempted)
 
 
 @pytest.mark.slow
@@ -415,7 +415,7 @@ class _V1(Scheduler):
                 break
             entries.append((self.running[-1], n))
             budget -= n
-        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+        return self.make_scheduler_output(entries, preempted)
 
 
 @pytest.mark.slow

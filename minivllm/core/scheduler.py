@@ -154,18 +154,22 @@ class Scheduler:
             sampling_params=request.sampling_params,
         )
 
-    def _make_output(
-        self, entries: list[tuple[Request, int]], preempted: list[Request], budget: int
+    def make_scheduler_output(
+        self, scheduled: list[tuple[Request, int]], preempted: list[Request]
     ) -> SchedulerOutput:
-        """Build the step's output, then advance each request's ``num_computed_tokens``."""
+        """The step's output for ``(request, num_new_tokens)`` pairs and the requests preempted
+        this step; then advances each scheduled request's ``num_computed_tokens``.
+
+        Every scheduling policy ends its ``schedule()`` here (the course's exercises too).
+        """
         out = SchedulerOutput(
-            scheduled=[self._scheduled(r, n) for r, n in entries],
+            scheduled=[self._scheduled(r, n) for r, n in scheduled],
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.request_id for r in preempted],
-            token_budget=budget,
+            token_budget=self.max_num_batched_tokens,
         )
         self.finished_req_ids = set()
-        for request, n in entries:
+        for request, n in scheduled:
             request.num_computed_tokens += n
         return out
 
@@ -199,7 +203,7 @@ class Scheduler:
                 entries.append((request, num_new))
                 budget -= num_new
 
-        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+        return self.make_scheduler_output(entries, preempted)
 
     # -- after the model ran ---------------------------------------------------------------
     def update_from_output(

@@ -29,7 +29,7 @@ class PhaseSeparatedScheduler(Scheduler):
             entries.append((self.running[-1], num_new))
             budget -= num_new
         if entries:
-            return self._make_output(entries, [], self.max_num_batched_tokens)
+            return self.make_scheduler_output(entries, [])
 
         # decode phase: one token for every running request, preempting when blocks run out
         preempted: list[Request] = []
@@ -41,4 +41,4 @@ class PhaseSeparatedScheduler(Scheduler):
             entries.append((request, 1))
             budget -= 1
             i += 1
-        return self._make_output(entries, preempted, self.max_num_batched_tokens)
+        return self.make_scheduler_output(entries, preempted)

@@ -23,7 +23,6 @@ from minivllm.core.sched_output import EngineCoreOutput
 from minivllm.worker.model_runner import ModelRunner
 
 SCHEDULER_CLASSES = {"v1": Scheduler, "v0": PhaseSeparatedScheduler}
-MAX_TRACE_STEPS = 100_000
 
 
 class EngineCore:
@@ -49,7 +48,7 @@ class EngineCore:
         scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
         self.scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
         self.num_steps = 0
-        self.step_trace: deque[dict] = deque(maxlen=MAX_TRACE_STEPS)
+        self.step_trace: deque[dict] = deque(maxlen=config.trace_steps)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(request))
@@ -67,13 +66,19 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        kinds = self._step_kinds(scheduler_output)
+        # labelled before update_from_output, which forgets the requests that finish
+        kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         end = time.time()
         for out in outputs:
             out.timestamp = end
         self.num_steps += 1
+        if kinds is not None:
+            self._record_step(scheduler_output, kinds, start, end)
+        return outputs
+
+    def _record_step(self, scheduler_output, kinds: list[str], start: float, end: float) -> None:
         self.step_trace.append(
             {
                 "step": self.num_steps,
@@ -92,7 +97,6 @@ class EngineCore:
                 - self.scheduler.kv_cache_manager.get_num_free_blocks(),
             }
         )
-        return outputs
 
     def _step_kinds(self, scheduler_output) -> list[str]:
         """Label each scheduled entry "decode" (one new output token) or "prefill" (a chunk)."""

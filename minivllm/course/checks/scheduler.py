@@ -212,8 +212,8 @@ def _check_common(sched: Scheduler, before: Before, out, watch: Watch) -> None:
     """What any scheduler must respect: the budget, max_num_seqs, sane token counts."""
     if not isinstance(out, SchedulerOutput):
         fail(watch.exercise, f"schedule() returned {type(out).__name__}; expected a "
-                             f"SchedulerOutput (build it with self._make_output(entries, "
-                             f"preempted, self.max_num_batched_tokens)).")
+                             f"SchedulerOutput (build it with self.make_scheduler_output(entries, "
+                             f"preempted)).")
     total = sum(s.num_tokens for s in out.scheduled)
     if total > sched.max_num_batched_tokens:
         watch.fail(out, f"That is {total} tokens, over the step's budget max_num_batched_tokens="

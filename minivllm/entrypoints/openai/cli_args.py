@@ -26,6 +26,9 @@ def add_serve_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
+    p.add_argument("--trace-steps", type=int, default=0,
+                   help="keep what the last N engine steps scheduled, for get_step_trace() "
+                        "(default 0: off, so memory does not grow with uptime)")
     p.set_defaults(func=_serve)
 
 
