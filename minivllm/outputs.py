@@ -6,7 +6,23 @@ time it reached the front end, so TTFT and time-per-output-token are read off, n
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (``SamplingParams.output_kind``).
+
+    CUMULATIVE: everything so far, every time (``LLMEngine.step``'s default);
+    DELTA: only what is new since the previous output (what a streaming server sends);
+    FINAL_ONLY: nothing until the request finishes, then everything (``LLM.generate``,
+    a non-streaming server response).
+    DELTA and FINAL_ONLY keep a long generation's cost per step proportional to what changed.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -71,6 +87,17 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+    def add(self, later: "RequestOutput") -> None:
+        """Merge a later DELTA output into this one (a consumer that fell behind gets both
+        deltas as one)."""
+        for mine, new in zip(self.outputs, later.outputs):
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens
 
     def __repr__(self) -> str:
         out = self.outputs[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from minivllm.outputs import RequestOutputKind
+
 _EPS = 1e-5  # temperatures below this are treated as greedy
 
 
@@ -34,6 +36,8 @@ class SamplingParams:
     ignore_eos: keep generating past the EOS token (benchmarks use it for fixed lengths).
     seed: a request with a seed samples the same tokens whatever else shares its batch.
     skip_special_tokens: drop special tokens from the returned text.
+    output_kind: what each output carries: everything so far (CUMULATIVE), what is new
+        (DELTA), or one output at the end (FINAL_ONLY); see ``RequestOutputKind``.
     """
 
     temperature: float = 1.0
@@ -47,6 +51,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled in by the engine: every token id that ends this request (EOS + stop_token_ids)
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -84,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

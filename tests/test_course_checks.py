@@ -241,7 +241,7 @@ def test_unsolved_exercise_propagates_not_implemented_error():
 
 
 def test_slot_mapping_check_accepts_numpy_output():
-    from minivllm.worker.model_runner import compute_slot_mapping
+    from minivllm.worker.block_table import compute_slot_mapping
 
     assert isinstance(compute_slot_mapping([3, 1], np.arange(3), 2), np.ndarray)
 

@@ -162,7 +162,7 @@ def test_prefill_attention_matches_reference(seed):
     q, k, v, cache, table, qsl, seq_lens = _prefill_case(
         rng, query_lens, context_lens, num_kv_heads, num_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, scale, k, v)
+    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, scale)
     out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, scale)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     # device tensors instead of lists give the same answer
@@ -176,7 +176,7 @@ def test_prefill_attention_largest_shape():
     """Qwen3-0.6B's attention shape: a 100-token chunk after a 150-token prefix, a fresh prompt."""
     rng = random.Random(12)
     q, k, v, cache, table, qsl, seq_lens = _prefill_case(rng, [100, 40], [150, 0], 8, 16, 128, 16)
-    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, 128**-0.5, k, v)
+    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, 128**-0.5)
     out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, 128**-0.5)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,16 +29,15 @@ import torch
 class AttentionMetadata:
     num_actual_tokens: int  # real tokens in the batch (CUDA graphs may pad beyond it)
     num_decodes: int  # sequences with a single query token; they come first
-    num_decode_tokens: int
     max_query_len: int
     max_seq_len: int
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the device
     seq_lens: torch.Tensor  # [num_seqs] int32, on the device
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64; -1 marks a padding token (not written)
-    # host copies, for backends that loop over sequences in Python
-    query_start_loc_cpu: list[int] | None = None
-    seq_lens_cpu: list[int] | None = None
+    # host copies (numpy), for backends that plan their work on the host once per step
+    query_start_loc_cpu: np.ndarray | None = None
+    seq_lens_cpu: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +58,12 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_cuda_graph: bool = False
+
+    def build_metadata(self, metadata: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """Called once per step, before the layers run: a backend may plan its work here (on
+        the host, from the numpy copies) so that ``forward``, called once per layer, does not
+        repeat it. The default plans nothing."""
+        return metadata
 
     @abstractmethod
     def forward(

@@ -1,20 +1,36 @@
 """Paged attention in plain torch: the reference every faster backend is tested against.
 
-Three operations, each a plain function a learner can read (chapter 03):
+The reference functions a learner reads first (chapter 03):
 
-* ``write_to_kv_cache``      — scatter new K/V into their slots (vLLM's ``reshape_and_cache``);
-* ``paged_decode_attention`` — one query per sequence, all decodes at once, context gathered
-  from the blocks of each sequence's block table;
+* ``write_to_kv_cache``       — scatter new K/V into their slots (vLLM's ``reshape_and_cache``);
+* ``gather_context``          — read sequences' K or V back through their block tables;
+* ``paged_decode_attention``  — one query per sequence over its whole context;
 * ``paged_prefill_attention`` — variable-length query chunks, causal among the new tokens and
-  attending to everything before them (a cached prefix, earlier chunks), one sequence at a time.
+  attending to everything before them (a cached prefix, earlier chunks).
+
+``TorchAttentionBackend`` runs the same math for a whole step with a fixed number of torch ops
+per layer, whatever the batch: the runner's metadata is planned once per step on the host
+(``build_metadata``) into a few *groups* of sequences with similar context lengths. Each group
+is one batched call — gather its blocks with one ``index_select`` per K and V, then
+``scaled_dot_product_attention`` with a length/causal mask and ``enable_gqa`` (query heads share
+their KV head; K/V are never repeated) — so every layer reads each sequence's context once,
+padded only to its group's longest, and never waits for the host.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+
+# padded work a plan may add on top of the exact work before it splits into more groups
+MAX_PADDING = 0.2
+MAX_DECODE_GROUPS = 4
+MAX_PREFILL_GROUPS = 4
 
 
 def write_to_kv_cache(
@@ -44,31 +60,115 @@ def gather_context(
     return ctx[:, :num_tokens]
 
 
-def grouped_query_attention(
-    q: torch.Tensor,  # [seqs, query_len, heads, d]
-    k: torch.Tensor,  # [seqs, L, kv_heads, d]
-    v: torch.Tensor,  # [seqs, L, kv_heads, d]
-    allowed: torch.Tensor,  # [seqs, query_len, L] bool: which keys each query may see
-    scale: float,
-) -> torch.Tensor:  # [seqs, query_len, heads, d]
-    """Softmax attention with grouped-query heads, in float32.
+# -- planning a step: which sequences are attended together ----------------------------------
 
-    The query heads that share a KV head are stacked as extra query rows, so each KV head is
-    read once per sequence (no copy of K/V per query head, as ``repeat_interleave`` would make).
-    """
-    seqs, query_len, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    # rows of KV head h: (query head h*group + g, token t) for every g, t
-    qg = q.view(seqs, query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(seqs, num_kv_heads, group * query_len, head_dim).float()
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [seqs, kv_heads, rows, L]
-    visible = allowed.repeat(1, group, 1)[:, None]  # [seqs, 1, rows, L]
-    scores.masked_fill_(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.permute(0, 2, 1, 3).float())
-    out = out.view(seqs, num_kv_heads, group, query_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(seqs, query_len, num_heads, head_dim).to(q.dtype)
+@dataclass
+class AttentionGroup:
+    """Sequences attended in one batched call, padded to the longest query and context."""
 
+    num_seqs: int
+    query_pad: int  # queries per sequence after padding (1 for decodes)
+    kv_len: int  # context tokens per sequence after padding (whole blocks)
+    query_index: torch.Tensor  # [num_seqs * query_pad] token of the batch behind each query
+    block_ids: torch.Tensor  # [num_seqs * kv_len / block_size] the blocks to read, in order
+    mask: torch.Tensor  # [num_seqs, 1, query_pad, kv_len] bool: which keys each query sees
+    # where the real (unpadded) queries sit in the padded ones; None: no padding
+    real_queries: torch.Tensor | None
+    out_index: torch.Tensor  # [real queries] token of the batch each result belongs to
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    groups: list[AttentionGroup] = field(default_factory=list)
+
+
+def split_sorted(costs: np.ndarray, exact: float, padded_cost, max_groups: int) -> list[np.ndarray]:
+    """Cut sequences (sorted by context length) into the fewest equal-count groups whose padded
+    cost stays within ``MAX_PADDING`` of ``exact``, at most ``max_groups``."""
+    n = len(costs)
+    for k in range(1, min(max_groups, n) + 1):
+        parts = np.array_split(np.arange(n), k)
+        if k == min(max_groups, n) or padded_cost(parts) <= (1 + MAX_PADDING) * exact:
+            return parts
+    return [np.arange(n)]
+
+
+def plan_groups(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decodes: int,
+    block_tables: torch.Tensor, block_size: int,
+) -> list[AttentionGroup]:
+    """Group the step's sequences (decodes first, then prefill chunks) for batched attention."""
+    device = block_tables.device
+    query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    query_lens = np.diff(query_start_loc)
+    groups = []
+    for lo, hi, max_groups in ((0, num_decodes, MAX_DECODE_GROUPS),
+                               (num_decodes, len(seq_lens), MAX_PREFILL_GROUPS)):
+        if hi <= lo:
+            continue
+        seqs = lo + np.argsort(seq_lens[lo:hi], kind="stable")
+        q_lens, s_lens = query_lens[seqs], seq_lens[seqs]
+
+        def padded(parts, q_lens=q_lens, s_lens=s_lens):
+            return sum(len(p) * q_lens[p].max() * s_lens[p].max() for p in parts)
+
+        exact = float((q_lens * s_lens).sum())
+        for part in split_sorted(s_lens, exact, padded, max_groups):
+            groups.append(_make_group(seqs[part], query_start_loc, query_lens, seq_lens,
+                                      block_tables, block_size, device))
+    return groups
+
+
+def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block_size,
+                device) -> AttentionGroup:
+    g = len(seqs)
+    q_lens, s_lens = query_lens[seqs], seq_lens[seqs]
+    query_pad = int(q_lens.max())
+    num_blocks = -(-int(s_lens.max()) // block_size)
+    kv_len = num_blocks * block_size
+
+    offsets = np.arange(query_pad)
+    real = offsets[None, :] < q_lens[:, None]  # [g, query_pad]
+    token = query_start_loc[seqs][:, None] + offsets[None, :]
+    query_index = np.where(real, token, 0).reshape(-1)
+    # query j of a sequence sits at position (seq_len - query_len + j); padding queries see key 0
+    pos = (s_lens - q_lens)[:, None] + offsets[None, :]
+    keys = np.arange(kv_len)
+    mask = keys[None, None, :] <= pos[:, :, None]
+    mask[~real] = keys == 0
+
+    rows = torch.from_numpy(seqs).to(device)
+    block_ids = block_tables.index_select(0, rows)[:, :num_blocks].reshape(-1)
+    padded = not real.all()
+    return AttentionGroup(
+        num_seqs=g, query_pad=query_pad, kv_len=kv_len,
+        query_index=torch.from_numpy(query_index).to(device),
+        block_ids=block_ids,
+        mask=torch.from_numpy(mask[:, None]).to(device),
+        real_queries=torch.from_numpy(np.flatnonzero(real)).to(device) if padded else None,
+        out_index=torch.from_numpy(token[real]).to(device),
+    )
+
+
+def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
+                 out: torch.Tensor) -> None:
+    """One group's attention: gather its blocks once, one masked SDPA call, scatter results."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[-2]
+    g, qp, L = group.num_seqs, group.query_pad, group.kv_len
+    qg = q.index_select(0, group.query_index).view(g, qp, num_heads, head_dim).transpose(1, 2)
+    k = kv_cache[0].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
+    v = kv_cache[1].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=group.mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(g * qp, num_heads, head_dim)
+    if group.real_queries is not None:
+        o = o.index_select(0, group.real_queries)
+    out.index_copy_(0, group.out_index, o.to(out.dtype))
+
+
+# -- the reference functions, one call = one group -------------------------------------------
 
 def paged_decode_attention(
     q: torch.Tensor,  # [seqs, heads, d]: one query token per sequence
@@ -78,92 +178,54 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    k = gather_context(kv_cache[0], block_tables, max_len)  # [seqs, L, kv_heads, d]
-    v = gather_context(kv_cache[1], block_tables, max_len)
-    # the query is the last token: it sees its whole sequence, nothing past its end
-    allowed = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
-    return grouped_query_attention(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
+    """Each sequence's single query (its last token) over its whole context."""
+    lens = seq_lens.cpu().numpy().astype(np.int64)
+    qsl = np.arange(len(lens) + 1)
+    return _attend_all(q, kv_cache, qsl, lens, len(lens), block_tables, scale)
 
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [tokens, heads, d]
     kv_cache: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
+    query_start_loc,
+    seq_lens,
     block_tables: torch.Tensor,
     scale: float,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole context.
+    """Causal attention of each sequence's new tokens over its whole context, read from the
+    cache (the new tokens' K/V must already be written there)."""
+    qsl = np.asarray(torch.as_tensor(query_start_loc).cpu(), dtype=np.int64)
+    lens = np.asarray(torch.as_tensor(seq_lens).cpu(), dtype=np.int64)
+    return _attend_all(q, kv_cache, qsl, lens, 0, block_tables, scale)
 
-    ``k``/``v`` (the new tokens' keys and values) let a sequence with no earlier context skip
-    reading them back from the cache; the result is the same either way.
-    """
+
+def _attend_all(q, kv_cache, qsl, lens, num_decodes, block_tables, scale) -> torch.Tensor:
     out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        query_len = end - start
-        if query_len == seq_len:  # no earlier context: plain causal attention
-            if k is not None:
-                ki, vi = k[start:end], v[start:end]
-            else:
-                ki, vi = _context(kv_cache, block_tables[i : i + 1], seq_len)
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
-            out[start:end] = o.transpose(0, 1)
-            continue
-        # query j sits at position (seq_len - query_len + j): it sees keys up to there
-        ki, vi = _context(kv_cache, block_tables[i : i + 1], seq_len)
-        rows = torch.arange(query_len, device=q.device)[:, None] + (seq_len - query_len)
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= rows
-        out[start:end] = grouped_query_attention(
-            q[None, start:end], ki[None], vi[None], allowed[None], scale
-        )[0]
+    for group in plan_groups(qsl, lens, num_decodes, block_tables, kv_cache.shape[2]):
+        attend_group(q, kv_cache, group, scale, out)
     return out
 
 
-def _context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """One sequence's keys and values, [seq_len, kv_heads, d] each, read from its blocks."""
-    return (gather_context(kv_cache[0], block_table, seq_len)[0],
-            gather_context(kv_cache[1], block_table, seq_len)[0])
-
-
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes in small groups of similar length (little padding, context stays in CPU cache);
-    prefill chunks one sequence at a time."""
+    """The whole step in a few batched torch calls per layer, planned once per step."""
 
     name = "torch"
-    decode_group_size = 8
+
+    def build_metadata(self, metadata: AttentionMetadata, block_size: int) -> TorchAttentionMetadata:
+        fields = {f: getattr(metadata, f) for f in AttentionMetadata.__dataclass_fields__}
+        return TorchAttentionMetadata(**fields, groups=plan_groups(
+            metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_decodes,
+            metadata.block_tables, block_size))
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float):
-        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        n = metadata.num_actual_tokens
+        slots = metadata.slot_mapping[:n]  # real tokens never have a negative slot
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:n])
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:n])
+        if not isinstance(metadata, TorchAttentionMetadata):  # not planned (called directly)
+            metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
-        nd = metadata.num_decodes
-        if nd:
-            lens = metadata.seq_lens_cpu[:nd]
-            order = sorted(range(nd), key=lens.__getitem__)
-            for start in range(0, nd, self.decode_group_size):
-                group = order[start : start + self.decode_group_size]
-                rows = torch.tensor(group, device=q.device)
-                out[rows] = paged_decode_attention(
-                    q[rows], kv_cache, metadata.block_tables[rows], metadata.seq_lens[rows],
-                    scale, max_seq_len=lens[group[-1]],
-                )
-        if metadata.num_prefills:
-            qsl = metadata.query_start_loc_cpu
-            base, end = qsl[nd], metadata.num_actual_tokens
-            out[base:end] = paged_prefill_attention(
-                q[base:end],
-                kv_cache,
-                [s - base for s in qsl[nd:]],
-                metadata.seq_lens_cpu[nd:],
-                metadata.block_tables[nd:],
-                scale,
-                k[base:end],
-                v[base:end],
-            )
+        for group in metadata.groups:
+            attend_group(q, kv_cache, group, scale, out)
         return out

@@ -17,6 +17,8 @@ BENCHMARKS = {
     "kernels": "minivllm.benchmarks.kernels",
     "serve": "minivllm.benchmarks.serve",
     "serve-compare": "minivllm.benchmarks.serve_compare",
+    "decode-roofline": "minivllm.benchmarks.decode_roofline",
+    "overhead": "minivllm.benchmarks.overhead",
 }
 
 

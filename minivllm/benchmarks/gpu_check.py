@@ -12,6 +12,11 @@ cut short keeps what it measured):
                      ``generate`` on the same workload in the same process;
 * ``decode_steps`` — median decode-step time at batch 1, 4, 8: eager vs CUDA graphs, and with
                      the fused kernels off (``custom_ops="none"``) or ``compile=True``;
+* ``decode_roofline`` — ``minivllm bench decode-roofline`` on a SmolLM2-135M-shaped model
+                     (eager, so attention can be timed): step time against the matmuls alone
+                     and attention's bandwidth against the device's measured read bandwidth;
+* ``overhead``     — ``minivllm bench overhead``: host time per decode step, part by part, at
+                     batch 1/64/256 (CUDA graphs on);
 * ``correctness``  — greedy tokens against transformers on the same weights: float32 (TF32 off)
                      must match exactly; bfloat16 is reported (matching prefix per prompt).
 
@@ -33,7 +38,7 @@ import tempfile
 import time
 import traceback
 
-PHASES = ("kernels", "e2e", "decode_steps", "correctness")
+PHASES = ("kernels", "e2e", "decode_steps", "decode_roofline", "overhead", "correctness")
 # random-weight checkpoints (make_checkpoint presets) per mode: throughput model, exactness model
 MODELS = {"full": ("qwen3-0.6b", "smollm2-135m"), "quick": ("qwen3", "llama")}
 AVOID_IDS = {0, 1, 2}  # pad, bos, eos of make_checkpoint's configs: prompts never contain them
@@ -237,7 +242,41 @@ def phase_correctness(args, ckpts) -> dict:
     return result
 
 
+def _run_bench(argv: list[str]) -> dict:
+    """Run a ``minivllm bench ...`` command in this process; its JSON result."""
+    import json
+
+    from minivllm.entrypoints.cli import main as cli_main
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        if cli_main(["bench", *argv, "--json", f.name]) != 0:
+            raise RuntimeError(f"minivllm bench {' '.join(argv)} failed")
+        with open(f.name) as g:
+            return json.load(g)
+
+
+def phase_decode_roofline(args, ckpts) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    preset = "llama" if args.quick else "smollm2-135m"
+    dtype = "bfloat16" if cuda else "float32"
+    argv = ["decode-roofline", "--model", ckpts.get(preset, dtype), "--skip-tokenizer-init",
+            "--dtype", dtype, "--enforce-eager"]
+    if args.quick:
+        argv += ["--batch", "4", "--context-range", "8", "64", "--steps", "2"]
+    return _run_bench(argv)
+
+
+def phase_overhead(args, ckpts) -> dict:
+    argv = ["overhead"]
+    if args.quick:
+        argv += ["--batch-sizes", "1", "8", "--steps", "3"]
+    return _run_bench(argv)
+
+
 PHASE_FUNCS = {"kernels": phase_kernels, "e2e": phase_e2e, "decode_steps": phase_decode_steps,
+               "decode_roofline": phase_decode_roofline, "overhead": phase_overhead,
                "correctness": phase_correctness}
 
 

@@ -25,9 +25,10 @@ from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus, check_stop
 from minivllm.core.sched_output import (
+    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
-    ScheduledRequest,
+    NewRequestData,
     SchedulerOutput,
 )
 
@@ -48,6 +49,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        # what the model runner holds of each request it has seen: (how many of its blocks it
+        # has been sent, the request's num_preemptions then) — the basis of each step's diff
+        self._runner_blocks: dict[str, tuple[int, int]] = {}
         # counters behind get_stats()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
@@ -83,6 +87,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self._runner_blocks.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -143,34 +148,48 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
-            num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-        )
-
     def make_scheduler_output(
         self, scheduled: list[tuple[Request, int]], preempted: list[Request]
     ) -> SchedulerOutput:
         """The step's output for ``(request, num_new_tokens)`` pairs and the requests preempted
         this step; then advances each scheduled request's ``num_computed_tokens``.
 
-        Every scheduling policy ends its ``schedule()`` here (the course's exercises too).
+        Every scheduling policy ends its ``schedule()`` here (the course's exercises too). The
+        output is a diff against what the model runner already holds: a request it has never
+        seen is sent whole (``NewRequestData``), one it holds gets only its new block ids, one
+        that was preempted since comes back with its whole new block table.
         """
-        out = SchedulerOutput(
-            scheduled=[self._scheduled(r, n) for r, n in scheduled],
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=[r.request_id for r in preempted],
-            token_budget=self.max_num_batched_tokens,
-        )
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids,
+                              preempted_req_ids={r.request_id for r in preempted},
+                              token_budget=self.max_num_batched_tokens)
         self.finished_req_ids = set()
-        for request, n in scheduled:
-            request.num_computed_tokens += n
+        cached: CachedRequestData = out.scheduled_cached_reqs
+        total = 0
+        for request, num_new in scheduled:
+            if num_new <= 0:
+                continue  # nothing to compute for it in this step
+            rid = request.request_id
+            blocks = self.kv_cache_manager.get_blocks(rid)
+            known = self._runner_blocks.get(rid)
+            if known is None:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req_id=rid, prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=[b.block_id for b in blocks],
+                    num_computed_tokens=request.num_computed_tokens))
+            else:
+                num_sent, num_preemptions = known
+                resumed = num_preemptions != request.num_preemptions
+                cached.req_ids.append(rid)
+                cached.resumed_from_preemption.append(resumed)
+                new_blocks = blocks if resumed else blocks[num_sent:]
+                cached.new_block_ids.append([b.block_id for b in new_blocks])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+            self._runner_blocks[rid] = (len(blocks), request.num_preemptions)
+            out.num_scheduled_tokens[rid] = num_new
+            total += num_new
+            request.num_computed_tokens += num_new
+        out.total_num_scheduled_tokens = total
         return out
 
     # -- the policy ------------------------------------------------------------------------
@@ -211,11 +230,12 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs = []
         stopped = False
-        for scheduled in scheduler_output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            new_ids = runner_output.sampled_token_ids.get(scheduled.request_id)
-            if request is None or request.is_finished or not new_ids:
-                continue  # aborted meanwhile, or a prefill chunk that sampled nothing
+        for req_id, new_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            if not new_ids:
+                continue  # a prefill chunk that sampled nothing
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted meanwhile
             request.append_output_token_ids(new_ids)
             done = check_stop(request, self.max_model_len)
             if done:

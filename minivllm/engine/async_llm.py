@@ -8,7 +8,7 @@ Many ``generate`` calls run at once, one per HTTP request. The engine core steps
 (another process, or a thread here) and one task, the output handler, turns each batch of new
 token ids into text (``OutputProcessor``: incremental detokenization, stop strings) and hands
 every request its latest ``RequestOutput``. A consumer slower than the engine never builds up
-a backlog: outputs are cumulative, so its collector keeps only the newest one.
+a backlog: its collector keeps only the newest output (merging DELTA outputs it has not taken).
 
 Leaving the ``async for`` early, or being cancelled (the client disconnected), aborts the
 request: the core frees its KV blocks at its next step.
@@ -26,19 +26,26 @@ from minivllm.engine.core_client import make_async_client
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.processor import Processor, PromptType, load_tokenizer
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, RequestOutputKind
 from minivllm.sampling_params import SamplingParams
 
 
 class RequestOutputCollector:
-    """One request's mailbox: the newest cumulative output, or the error that ended it."""
+    """One request's mailbox: the newest output (DELTA outputs not yet taken are merged into
+    one), or the error that ended it."""
 
-    def __init__(self) -> None:
+    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.output: RequestOutput | Exception | None = None
+        self.aggregate = output_kind == RequestOutputKind.DELTA
         self.ready = asyncio.Event()
 
     def put(self, output: RequestOutput | Exception) -> None:
-        if not isinstance(self.output, Exception):  # an error is final
+        if isinstance(self.output, Exception):  # an error is final
+            pass
+        elif self.aggregate and isinstance(self.output, RequestOutput) and not isinstance(
+                output, Exception):
+            self.output.add(output)
+        else:
             self.output = output
         self.ready.set()
 
@@ -92,13 +99,14 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's cumulative output each time it has new text; the last is finished."""
+        """Yield the request's output each time it has new text (cumulative by default, see
+        ``SamplingParams.output_kind``); the last one is finished."""
         self._start_output_handler()
         await self.check_health()
         if request_id in self.collectors:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         core_request, text = self.processor.process(request_id, prompt, sampling_params)
-        collector = RequestOutputCollector()
+        collector = RequestOutputCollector(core_request.sampling_params.output_kind)
         self.collectors[request_id] = collector
         self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, core_request.sampling_params,

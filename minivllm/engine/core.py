@@ -64,7 +64,7 @@ class EngineCore:
             return []
         start = time.time()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
+        if not scheduler_output.total_num_scheduled_tokens:
             return []
         # labelled before update_from_output, which forgets the requests that finish
         kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None
@@ -87,8 +87,8 @@ class EngineCore:
                 "token_budget": scheduler_output.token_budget,
                 "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
                 "scheduled": [
-                    (s.request_id, s.num_tokens, kind)
-                    for s, kind in zip(scheduler_output.scheduled, kinds)
+                    (rid, n, kind)
+                    for (rid, n), kind in zip(scheduler_output.num_scheduled_tokens.items(), kinds)
                 ],
                 "preempted": list(scheduler_output.preempted_req_ids),
                 "num_running": len(self.scheduler.running),
@@ -101,9 +101,11 @@ class EngineCore:
     def _step_kinds(self, scheduler_output) -> list[str]:
         """Label each scheduled entry "decode" (one new output token) or "prefill" (a chunk)."""
         kinds = []
-        for s in scheduler_output.scheduled:
-            request = self.scheduler.requests[s.request_id]
-            decoding = s.num_tokens == 1 and s.num_computed_tokens >= request.num_prompt_tokens
+        requests = self.scheduler.requests
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            # num_computed_tokens has already moved past this step's tokens
+            before = requests[rid].num_computed_tokens - n
+            decoding = n == 1 and before >= requests[rid].num_prompt_tokens
             kinds.append("decode" if decoding else "prefill")
         return kinds
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minivllm.core.sched_output import EngineCoreOutput
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from minivllm.sampling_params import SamplingParams
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first outputs (leading spaces)
@@ -44,6 +44,9 @@ class IncrementalDetokenizer:
 
 @dataclass
 class RequestState:
+    """The front end's view of one request. Text is kept as pieces (joined only when an output
+    needs all of it), so a step costs O(new tokens), not O(everything generated so far)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -51,15 +54,32 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # for DELTA outputs: how many tokens / text pieces the previous output already carried
+    num_sent_tokens: int = 0
+    num_sent_pieces: int = 0
+
+    @property
+    def text(self) -> str:
+        if len(self.text_pieces) > 1:
+            self.text_pieces[:] = ["".join(self.text_pieces)]
+            self.num_sent_pieces = min(self.num_sent_pieces, 1)
+        return self.text_pieces[0] if self.text_pieces else ""
 
     def to_output(self) -> RequestOutput:
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            text = "".join(self.text_pieces[self.num_sent_pieces:])
+            token_ids = self.output_token_ids[self.num_sent_tokens:]
+            self.num_sent_pieces = len(self.text_pieces)
+            self.num_sent_tokens = len(self.output_token_ids)
+        else:
+            text, token_ids = self.text, list(self.output_token_ids)
         completion = CompletionOutput(
             index=0,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -72,6 +92,17 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=self.metrics.num_cached_tokens,
         )
+
+
+def _tail(pieces: list[str], n: int) -> str:
+    """The last ``n`` characters of the pieces joined, joining only the pieces needed."""
+    parts, size = [], 0
+    for piece in reversed(pieces):
+        parts.append(piece)
+        size += len(piece)
+        if size >= n:
+            break
+    return "".join(reversed(parts))[-n:]
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> int:
@@ -131,13 +162,16 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             if state.detokenizer is not None:
                 new_text = state.detokenizer.update(out.new_token_ids)
-                state.text += new_text
+                if new_text:
+                    state.text_pieces.append(new_text)
                 if self._check_stop_strings(state, len(new_text)) and not out.finished:
                     to_abort.append(out.request_id)
-            if state.finish_reason is not None:
+            finished = state.finish_reason is not None
+            if finished:
                 state.metrics.finished_time = out.timestamp
                 del self.requests[out.request_id]
-            request_outputs.append(state.to_output())
+            if finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                request_outputs.append(state.to_output())
         return request_outputs, to_abort
 
     @staticmethod
@@ -158,10 +192,19 @@ class OutputProcessor:
         stops = state.params.stop
         if not stops or new_len == 0:
             return False
-        i = find_stop_string(state.text, new_len, stops)
+        # only the end of the text can hold a stop string completed by the new characters
+        text = _tail(state.text_pieces, new_len + max(len(s) for s in stops) - 1)
+        i = find_stop_string(text, new_len, stops)
         if i < 0:
             return False
-        stop = next(s for s in stops if state.text.startswith(s, i))
-        state.text = state.text[: i + len(stop)] if state.params.include_stop_str_in_output else state.text[:i]
+        stop = next(s for s in stops if text.startswith(s, i))
+        end = i + len(stop) if state.params.include_stop_str_in_output else i
+        cut = len(text) - end  # characters to drop from the end
+        while cut > 0:  # drop them from the last pieces
+            last = state.text_pieces.pop()
+            if len(last) > cut:
+                state.text_pieces.append(last[: len(last) - cut])
+            cut -= len(last)
+        state.num_sent_pieces = min(state.num_sent_pieces, len(state.text_pieces))
         state.finish_reason, state.stop_reason = "stop", stop
         return True

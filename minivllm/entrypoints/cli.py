@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="local Hugging Face folder or hub name (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="token ids in, token ids out (no tokenizer is loaded)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, RequestOutputKind
 from minivllm.sampling_params import SamplingParams
 
 
@@ -86,6 +86,10 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
+                if sp is None or isinstance(sp, SamplingParams):
+                    # only each request's final output is wanted: nothing is built per step
+                    sp = (sp or SamplingParams()).clone()
+                    sp.output_kind = RequestOutputKind.FINAL_ONLY
                 engine.add_request(rid, prompt, sp)
                 added.append(rid)
         except BaseException:

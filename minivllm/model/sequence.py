@@ -7,6 +7,7 @@ forward pass. The sequence gets its own little paged KV cache (blocks 0, 1, 2, .
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
@@ -23,15 +24,14 @@ def single_sequence_metadata(
     return AttentionMetadata(
         num_actual_tokens=n,
         num_decodes=1 if n == 1 else 0,
-        num_decode_tokens=1 if n == 1 else 0,
         max_query_len=n,
         max_seq_len=end,
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
         block_tables=table.to(torch.int32).unsqueeze(0).to(device),
         slot_mapping=slots.to(device),
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[end],
+        query_start_loc_cpu=np.array([0, n]),
+        seq_lens_cpu=np.array([end]),
     )
 
 
@@ -64,6 +64,7 @@ def sequence_logits(
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
             meta = single_sequence_metadata(start, end, list(range(num_blocks)), block_size, device)
+            meta = impl.build_metadata(meta, block_size)
             ids = torch.tensor(token_ids[start:end], device=device)
             hidden = model(ids, torch.arange(start, end, device=device), meta)
             logits.append(model.compute_logits(hidden))

@@ -29,23 +29,35 @@ class SamplingMetadata:
     generator: torch.Generator | None = None  # for rows without a seed
 
 
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (0 = all), without sorting the vocabulary:
+    ``topk`` of the largest k asked for gives every row's k-th largest value, its threshold."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    max_k = int(k[top_k > 0].max()) if bool((top_k > 0).any()) else vocab
+    values = logits.topk(max_k, dim=-1).values  # [rows, max_k], descending
+    threshold = values.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    threshold = torch.where((top_k > 0).unsqueeze(1), threshold, float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to -inf (one sort serves both)."""
-    if top_k is None and top_p is None:
-        return logits
+    """Set logits outside each row's top-k / top-p set to -inf. Top-p needs the whole sorted
+    distribution (one sort, which then serves top-k too); top-k alone does not."""
+    if top_p is None:
+        return logits if top_k is None else apply_top_k(logits, top_k)
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         kth_largest = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        outside = cumulative <= (1 - top_p).unsqueeze(1)  # the unlikely tail, mass <= 1 - p
-        outside[:, -1] = False  # the most likely token always stays
-        sorted_logits.masked_fill_(outside, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1 - top_p).unsqueeze(1)  # the unlikely tail, mass <= 1 - p
+    outside[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
@@ -67,7 +79,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if meta.all_greedy:
+        if meta.all_greedy:  # the common case: one argmax, nothing else built
             return greedy
         is_greedy = meta.temperature < _EPS
         temperature = torch.where(is_greedy, 1.0, meta.temperature)

@@ -37,13 +37,22 @@ class SimulatedRunner:
             h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
         return 10 + h % (self.vocab_size - 10)
 
-    def execute_model(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
-        sampled = {}
-        for s in out.scheduled:
-            end = s.num_computed_tokens + s.num_tokens
-            sampled[s.request_id] = [self.next_token(s.request_id, end)] if s.sample else []
-        work = [(s.num_tokens, s.num_computed_tokens + s.num_tokens) for s in out.scheduled]
-        return ModelRunnerOutput(sampled), self.cost_model.step_time(work)
+    def execute_model(self, out: SchedulerOutput,
+                      requests: dict[str, Request]) -> tuple[ModelRunnerOutput, float]:
+        result = ModelRunnerOutput()
+        work = step_work(out, requests)
+        for rid, num_new, seq_len in work:
+            # the step reaches the end of the request's known tokens: it samples the next one
+            done = seq_len >= requests[rid].num_tokens
+            result.req_ids.append(rid)
+            result.sampled_token_ids.append([self.next_token(rid, seq_len)] if done else [])
+        return result, self.cost_model.step_time([(n, seq_len) for _, n, seq_len in work])
+
+
+def step_work(out: SchedulerOutput, requests: dict[str, Request]) -> list[tuple[str, int, int]]:
+    """(request id, tokens computed, context length after the step) of each scheduled request,
+    read right after ``schedule()`` (which has already advanced ``num_computed_tokens``)."""
+    return [(rid, n, requests[rid].num_computed_tokens) for rid, n in out.num_scheduled_tokens.items()]
 
 
 @dataclass
@@ -127,12 +136,12 @@ class SimEngine:
             self.clock = self._arrivals[0][0]
             return True
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.total_num_scheduled_tokens:
             if self._arrivals:  # nothing fits now: wait for the next arrival
                 self.clock = max(self.clock, self._arrivals[0][0])
                 return True
             raise RuntimeError("the scheduler can make no progress (KV cache too small?)")
-        runner_output, duration = self.runner.execute_model(out)
+        runner_output, duration = self.runner.execute_model(out, self.scheduler.requests)
         start = self.clock
         self.clock += duration
         for core_out in self.scheduler.update_from_output(out, runner_output):
@@ -152,7 +161,7 @@ class SimEngine:
             "start_time": start,
             "duration_s": duration,
             "num_scheduled_tokens": out.total_num_scheduled_tokens,
-            "scheduled": [(s.request_id, s.num_tokens) for s in out.scheduled],
+            "scheduled": list(out.num_scheduled_tokens.items()),
             "kv_blocks_used": used,
         })
         return True

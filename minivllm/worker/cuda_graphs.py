@@ -9,8 +9,9 @@ waits on the CPU that issues them. A CUDA graph records the launches of one forw
   next size up, padded: padding tokens have slot -1 (their K/V are not written) and a one-token
   context, and their outputs are dropped. Batches with a prefill chunk, or larger than the
   largest size, run eagerly.
-* **fixed addresses**: inputs live in static buffers that each step copies into; the output is
-  the tensor the captured forward returned, overwritten by every replay.
+* **fixed addresses**: inputs live in the model runner's step buffers, which ``prepare_inputs``
+  writes every step (nothing is copied a second time); the output is the tensor the captured
+  forward returned, overwritten by every replay.
 * **no host sync, no data-dependent grid**: the attention backend must size its kernels from
   Python ints only (``AttentionBackend.supports_cuda_graph``); the decode kernel's grid is sized
   for ``max_model_len``, and each program reads its sequence's true length on the device.
@@ -37,21 +38,18 @@ def cudagraph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture: bool = True) -> None:
+    """Decode-step graphs over the model runner's own step buffers (no second copy of the
+    inputs: ``prepare_inputs`` writes the buffers every captured graph reads)."""
+
+    def __init__(self, model, max_num_seqs: int, max_model_len: int, *, input_ids, positions,
+                 slot_mapping, seq_lens, query_start_loc, block_tables,
+                 capture: bool = True) -> None:
         self.model = model
         self.sizes = cudagraph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.capture_enabled = capture
-        n = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
-        # static inputs: every replay reads these very tensors
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = input_ids, positions, slot_mapping
+        self.seq_lens, self.query_start_loc, self.block_tables = seq_lens, query_start_loc, block_tables
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -64,7 +62,7 @@ class DecodeCudaGraphs:
 
     def metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_actual_tokens=size, num_decodes=size, num_decode_tokens=size, max_query_len=1,
+            num_actual_tokens=size, num_decodes=size, max_query_len=1,
             max_seq_len=self.max_model_len,  # sizes the decode grid for any context length
             query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
@@ -73,11 +71,23 @@ class DecodeCudaGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.metadata(size))
 
+    def _pad(self, n: int, size: int) -> None:
+        """Rows n..size-1 of the buffers become harmless padding: no K/V written (slot -1), a
+        one-token context, token 0 at position 0."""
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[n:size].fill_(1)
+        self.input_ids[n:size].fill_(0)
+        self.positions[n:size].fill_(0)
+        self.query_start_loc[n + 1 : size + 1].copy_(
+            torch.arange(n + 1, size + 1, dtype=self.query_start_loc.dtype,
+                         device=self.query_start_loc.device))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size, largest first (smaller ones reuse its memory pool)."""
         if not self.capture_enabled:
             return
+        self._pad(0, self.sizes[-1])
         pool = None
         for size in reversed(self.sizes):
             self._forward(size)  # warm-up: Triton compiles, torch.compile traces, caches fill
@@ -91,16 +101,11 @@ class DecodeCudaGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """Copy the step into the static buffers, pad, replay; hidden states of the real rows."""
+        """Pad the step (already in the buffers: ``input_ids`` and ``positions`` are views of
+        them) up to a captured size, replay; hidden states of the real rows."""
         n = meta.num_seqs
         size = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)  # padding rows write nothing
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(1)  # and attend to one (harmless) cached token
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self._pad(n, size)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]

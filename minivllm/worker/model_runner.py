@@ -1,17 +1,25 @@
-"""The model runner: turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
+"""The model runner: applies a ``SchedulerOutput`` to its persistent batch, runs one forward
+pass, samples.
 
-Per step it builds, from the scheduled requests (decodes first, then prefill chunks):
+Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
 
-* ``input_ids`` / ``positions`` — every scheduled token, flattened, with its position;
-* ``slot_mapping`` — where each token's K/V goes: ``block_id * block_size + offset``;
-* ``block_tables`` / ``seq_lens`` / ``query_start_loc`` — what each sequence attends to;
-* ``logits_indices`` — the last token of each request that samples this step: only those rows
-  go through the lm_head.
+1. ``_update_states`` applies the scheduler's diff to the ``InputBatch``: finished and
+   preempted requests leave their rows, new ones take a row, running ones append the blocks
+   they gained; rows are condensed and the decodes moved to the front.
+2. ``prepare_inputs`` builds, with a few numpy operations over the whole batch (no Python loop
+   over tokens): ``input_ids`` and ``positions`` of every scheduled token, ``slot_mapping``
+   (where each token's K/V goes), ``query_start_loc`` / ``seq_lens`` (what each sequence
+   attends to), and the row of each request's last token (``logits_indices``). They are
+   written into buffers allocated once; on CUDA those are pinned host buffers copied to
+   device buffers with ``non_blocking`` copies, and the CUDA graphs read the same device
+   buffers.
+3. The forward pass, then the lm_head and the sampler for the requests that reach the end of
+   their known tokens this step (a prefill chunk in the middle of a prompt samples nothing).
+   The sampled tokens are appended to the batch's own token ids: they never travel back.
 
-It also owns the KV cache tensors (one per layer) and binds them to the attention layers,
-picks the elementwise ops (fused Triton kernels, ``torch.compile``, or plain torch: one switch,
-``EngineConfig.use_custom_ops`` / ``compile``), and on CUDA replays decode steps from CUDA
-graphs (``minivllm/worker/cuda_graphs.py``; off with ``enforce_eager=True``).
+It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
+kernels, ``torch.compile``, or plain torch: ``EngineConfig.use_custom_ops`` / ``compile``), and on
+CUDA replays decode steps from CUDA graphs (``cuda_graphs.py``; off with ``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -21,29 +29,34 @@ import torch
 
 from minivllm.attention.backend import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
-from minivllm.worker.cuda_graphs import DecodeCudaGraphs
+from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
+from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
+_GREEDY_EPS = 1e-5
 
 
-def compute_slot_mapping(block_table, positions, block_size: int) -> np.ndarray:
-    """The slot of each position's K/V: block_table[p // block_size] * block_size + p % block_size.
+class CpuGpuBuffer:
+    """A host buffer (numpy view ``np`` of a torch tensor ``cpu``, pinned on CUDA) and the
+    device buffer the model reads (``gpu``; on a CPU the very same tensor)."""
 
-    vLLM computes the same in ``BlockTable.compute_slot_mapping`` (chapter 03, exercise 3.1).
-    """
-    positions = np.asarray(positions, dtype=np.int64)
-    block_ids = np.asarray(block_table, dtype=np.int64)
-    return block_ids[positions // block_size] * block_size + positions % block_size
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(size, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.gpu = torch.zeros(size, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def copy_to_gpu(self, n: int) -> torch.Tensor:
+        if self.gpu is not self.cpu:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]
 
 
 class ModelRunner:
-    # swappable, so a learner's slot mapping can run inside the real engine (chapter 03)
-    compute_slot_mapping = staticmethod(compute_slot_mapping)
-
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
         self.device = config.device
@@ -67,7 +80,23 @@ class ModelRunner:
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+
+        # step buffers, allocated once; a CUDA-graph batch is padded up to a captured size,
+        # which may exceed max_num_seqs and the token budget
+        max_graph_batch = cudagraph_batch_sizes(config.max_num_seqs)[-1]
+        max_reqs = max(config.max_num_seqs, max_graph_batch)
+        max_tokens = max(config.max_num_batched_tokens, max_graph_batch)
+        # the persistent batch, and every request the runner holds (also those without a row)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_reqs, config.max_model_len, self.block_size,
+                                      self.device, pin_memory=self.device.type == "cuda")
+        self.input_ids = CpuGpuBuffer(max_tokens, torch.int32, self.device)
+        self.positions = CpuGpuBuffer(max_tokens, torch.int64, self.device)
+        self.slot_mapping = CpuGpuBuffer(max_tokens, torch.int64, self.device)
+        self.query_start_loc = CpuGpuBuffer(max_reqs + 1, torch.int32, self.device)
+        self.seq_lens = CpuGpuBuffer(max_reqs, torch.int32, self.device)
+        self.arange = np.arange(max(max_tokens, max_reqs + 1), dtype=np.int64)
+        self._batch_sampling_metadata: SamplingMetadata | None = None
 
     # -- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -103,24 +132,23 @@ class ModelRunner:
         """A forward over ``max_num_batched_tokens`` tokens with a throwaway KV cache."""
         c = self.config.model_config
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        # enough blocks for the block table to cover the whole sequence (kernels read through it)
         num_blocks = -(-n // self.block_size)
         dummy = torch.zeros(2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
                             dtype=self.config.dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = dummy
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
+        dev = self.device
         meta = AttentionMetadata(
-            num_actual_tokens=n, num_decodes=0, num_decode_tokens=0, max_query_len=n,
-            max_seq_len=n,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+            num_actual_tokens=n, num_decodes=0, max_query_len=n, max_seq_len=n,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            query_start_loc_cpu=np.array([0, n]), seq_lens_cpu=np.array([n]),
         )
-        hidden = self.model(ids, pos, meta)
+        meta = self.attention_backend.build_metadata(meta, self.block_size)
+        hidden = self.model(torch.zeros(n, dtype=torch.int32, device=dev),
+                            torch.arange(n, device=dev), meta)
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         for layer in self.model.attention_layers():
             layer.kv_cache = None
@@ -139,103 +167,166 @@ class ModelRunner:
             self.capture_model()
 
     def capture_model(self, capture: bool = True) -> None:
-        """Record decode steps as CUDA graphs (the graphs bind the KV cache tensors above).
+        """Record decode steps as CUDA graphs over the runner's own step buffers.
 
         ``capture=False`` keeps the padded static-buffer path but runs it eagerly (CPU tests).
         """
         c = self.config
-        self.cuda_graphs = DecodeCudaGraphs(self.model, c.max_num_seqs, c.max_model_len,
-                                            self.block_size, self.device, capture=capture)
+        self.cuda_graphs = DecodeCudaGraphs(
+            self.model, c.max_num_seqs, c.max_model_len, input_ids=self.input_ids.gpu,
+            positions=self.positions.gpu, slot_mapping=self.slot_mapping.gpu,
+            seq_lens=self.seq_lens.gpu, query_start_loc=self.query_start_loc.gpu,
+            block_tables=self.input_batch.block_table.block_table, capture=capture)
         self.cuda_graphs.capture()
 
     # -- one step --------------------------------------------------------------------------
-    def prepare_inputs(self, scheduled: list[ScheduledRequest]):
-        """Flatten the scheduled requests (decodes first) into model inputs and metadata."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        for s in scheduled:
-            start, n = s.num_computed_tokens, s.num_tokens
-            input_ids.extend(s.token_ids)
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(self.compute_slot_mapping(s.block_ids, pos, bs), dtype=np.int64))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            if s.sample:
-                logits_indices.append(query_start_loc[-1] - 1)
-        num_decodes = sum(1 for s in scheduled if s.num_tokens == 1)
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            table[i, : len(s.block_ids)] = s.block_ids
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the persistent batch."""
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            self._release_row(rid)
+        scheduled = so.num_scheduled_tokens
+        for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
+            self._release_row(rid)  # running, but given no tokens this step
 
-        dev = self.device
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and params.temperature >= _GREEDY_EPS:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            state = CachedRequestState(new.req_id, new.prompt_token_ids, params, generator,
+                                       list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        rows, computed = [], []
+        for rid, resumed, new_blocks, num_computed in zip(
+                cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
+                cached.num_computed_tokens):
+            state = self.requests[rid]
+            if resumed:  # a fresh block table; whatever row it still had is stale
+                self._release_row(rid)
+                state.block_ids = list(new_blocks)
+            elif new_blocks:
+                state.block_ids.extend(new_blocks)
+            row = batch.req_id_to_index.get(rid)
+            if row is None:  # back after preemption, or after a step without tokens
+                state.num_computed_tokens = num_computed
+                batch.add_request(state)
+            else:
+                if new_blocks:
+                    batch.block_table.append_row(new_blocks, row)
+                rows.append(row)
+                computed.append(num_computed)
+        batch.num_computed_tokens[rows] = computed
+        batch.condense()
+
+    def _release_row(self, req_id: str) -> None:
+        """Take a request out of the batch but remember its tokens (it will be back)."""
+        if req_id in self.input_batch.req_id_to_index:
+            self.requests[req_id].token_ids = self.input_batch.token_ids_of(req_id)
+            self.input_batch.remove_request(req_id)
+
+    def prepare_inputs(self, so: SchedulerOutput):
+        """Model inputs and attention metadata for the whole batch, vectorised over tokens."""
+        batch = self.input_batch
+        n = batch.num_reqs
+        scheduled = so.num_scheduled_tokens
+        num_sched = np.array([scheduled[rid] for rid in batch.req_ids[:n]], dtype=np.int64)
+        num_decodes = batch.reorder_decodes_first(num_sched)
+
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        # token t belongs to row req_indices[t], at offset offsets[t] of that row's new tokens
+        req_indices = np.repeat(self.arange[:n], num_sched)
+        offsets = self.arange[:total] - np.repeat(cu - num_sched, num_sched)
+        positions = self.positions.np[:total]
+        np.add(batch.num_computed_tokens[req_indices], offsets, out=positions)
+        np.take(batch.token_ids.ravel(), positions + req_indices * batch.max_model_len,
+                out=self.input_ids.np[:total])
+        batch.block_table.compute_slot_mapping(req_indices, positions, self.slot_mapping.np[:total])
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        qsl[1 : n + 1] = cu
+        seq_lens = self.seq_lens.np[:n]
+        np.add(batch.num_computed_tokens[:n], num_sched, out=seq_lens)
+        batch.block_table.commit(n)
+
         meta = AttentionMetadata(
-            num_actual_tokens=len(input_ids),
+            num_actual_tokens=total,
             num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=max(s.num_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc_cpu=query_start_loc,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=self.query_start_loc.copy_to_gpu(n + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(n),
+            block_tables=batch.block_table.block_table[:n],
+            slot_mapping=self.slot_mapping.copy_to_gpu(total),
+            query_start_loc_cpu=qsl[: n + 1],
             seq_lens_cpu=seq_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return ids, pos, meta, torch.tensor(logits_indices, dtype=torch.long, device=dev)
+        # rows whose step reaches the end of their known tokens sample one; the others are
+        # prefill chunks in the middle of a prompt
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
+        return (self.input_ids.copy_to_gpu(total), self.positions.copy_to_gpu(total), meta,
+                sample_rows, cu)
 
-    def _sampling_metadata(self, to_sample: list[ScheduledRequest]) -> SamplingMetadata:
-        params = [s.sampling_params for s in to_sample]
+    def _sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
+        """The batch's sampling tensors (rebuilt only when its rows changed), for ``sample_rows``."""
+        batch = self.input_batch
+        n = batch.num_reqs
+        if batch.batch_changed or self._batch_sampling_metadata is None:
+            self._batch_sampling_metadata = self._build_sampling_metadata(np.arange(n))
+            batch.batch_changed = False
+        if len(sample_rows) == n:
+            return self._batch_sampling_metadata
+        return self._build_sampling_metadata(sample_rows)  # a prefill chunk samples nothing
+
+    def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
         dev = self.device
-        all_greedy = all(p.greedy for p in params)
+        temperature = batch.temperature[rows]
+        all_greedy = bool((temperature < _GREEDY_EPS).all())
         meta = SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            all_greedy=all_greedy,
-            generator=self.generator,
-        )
+            temperature=torch.from_numpy(temperature).to(dev), all_greedy=all_greedy,
+            generator=self.generator)
         if all_greedy:
             return meta
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        for row, s in enumerate(to_sample):
-            seed = s.sampling_params.seed
-            if seed is None or s.sampling_params.greedy:
-                continue
-            gen = self.request_generators.get(s.request_id)
-            if gen is None:
-                gen = torch.Generator(device=dev).manual_seed(seed)
-                self.request_generators[s.request_id] = gen
-            meta.generators[row] = gen
+        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+        if (top_k > 0).any():
+            meta.top_k = torch.from_numpy(top_k).to(dev)
+        if (top_p < 1.0).any():
+            meta.top_p = torch.from_numpy(top_p).to(dev)
+        if batch.generators:
+            position = {row: i for i, row in enumerate(rows.tolist())}
+            meta.generators = {position[row]: gen for row, gen in batch.generators.items()
+                               if row in position}
         return meta
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in scheduler_output.finished_req_ids:
-            self.request_generators.pop(rid, None)
-        # single-token queries (decodes) first: the attention backend batches them together
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)
-        if not scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        input_ids, positions, meta, sample_rows, cu = self.prepare_inputs(scheduler_output)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
-        sampled: dict[str, list[int]] = {s.request_id: [] for s in scheduled}
-        to_sample = [s for s in scheduled if s.sample]
-        if to_sample:
+            attn_meta = self.attention_backend.build_metadata(meta, self.block_size)
+            hidden = self.model(input_ids, positions, attn_meta)
+
+        batch = self.input_batch
+        n = batch.num_reqs
+        req_ids = batch.req_ids[:n]
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        if len(sample_rows):
+            logits_indices = torch.from_numpy(cu[sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[logits_indices])
-            tokens = self.sampler(logits, self._sampling_metadata(to_sample)).tolist()
-            for s, t in zip(to_sample, tokens):
-                sampled[s.request_id] = [t]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+            tokens = self.sampler(logits, self._sampling_metadata(sample_rows)).cpu().numpy()
+            batch.append_sampled(sample_rows, tokens)
+            for row, token in zip(sample_rows.tolist(), tokens.tolist()):
+                sampled[row] = [token]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

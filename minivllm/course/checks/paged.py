@@ -19,7 +19,7 @@ from minivllm.course.checks.common import (
     greedy_token_ids, model_runner, passed,
 )
 from minivllm.course.checks.model import gqa_hint
-from minivllm.worker.model_runner import compute_slot_mapping as reference_slot_mapping
+from minivllm.worker.block_table import compute_slot_mapping as reference_slot_mapping
 
 SLOT_CONVENTION = ("Expected: the token at position p lives in block block_table[p // block_size] "
                    "at offset p % block_size, so its slot is block_id * block_size + offset.")
@@ -141,16 +141,35 @@ def _check_in_engine(exercise: str, what: str, slot_mapping=None, attention=None
     saved = [layer.backend for layer in layers]
     try:
         if slot_mapping is not None:
-            runner.compute_slot_mapping = slot_mapping
+            runner.prepare_inputs = _with_slot_mapping(runner, slot_mapping)
         if attention is not None:
             backend = DecodeWithBackend(attention)
             for layer in layers:
                 layer.backend = backend
         got = greedy_token_ids(llm, ENGINE_PROMPTS)
     finally:
-        runner.__dict__.pop("compute_slot_mapping", None)
+        runner.__dict__.pop("prepare_inputs", None)
         for layer, backend in zip(layers, saved):
             layer.backend = backend
         for cache in runner.kv_caches:  # whatever the learner's code wrote is gone
             cache.zero_()
     compare_generations(exercise, f"with your {what}", llm, ENGINE_PROMPTS, got, expected)
+
+
+def _with_slot_mapping(runner, compute_slot_mapping):
+    """The runner's input preparation, with each request's slots recomputed by
+    ``compute_slot_mapping(block_table, positions, block_size)`` before the forward uses them."""
+    prepare = runner.prepare_inputs
+    table = runner.input_batch.block_table
+
+    def prepare_inputs(scheduler_output):
+        input_ids, positions, meta, sample_rows, cu = prepare(scheduler_output)
+        qsl = meta.query_start_loc_cpu
+        for row in range(len(qsl) - 1):
+            a, b = int(qsl[row]), int(qsl[row + 1])
+            blocks = table.block_table_np[row, : table.num_blocks_per_row[row]].tolist()
+            slots = compute_slot_mapping(blocks, positions[a:b].cpu().numpy(), runner.block_size)
+            meta.slot_mapping[a:b] = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+        return input_ids, positions, meta, sample_rows, cu
+
+    return prepare_inputs

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler
@@ -177,10 +178,25 @@ class Watch:
                             f"scheduled {_show(out)}. {message}")
 
 
+class Entry(NamedTuple):
+    """One request's share of a step, as the checks read it."""
+
+    request_id: str
+    num_tokens: int  # tokens it computes this step
+    num_computed_tokens: int  # before this step
+
+
+def _entries(sched: Scheduler, out) -> list[Entry]:
+    """The step's entries, read right after ``schedule()`` (which already advanced each
+    request's ``num_computed_tokens`` past them)."""
+    return [Entry(rid, n, sched.requests[rid].num_computed_tokens - n)
+            for rid, n in out.num_scheduled_tokens.items()]
+
+
 def _show(out) -> str:
-    shown = {s.request_id: s.num_tokens for s in out.scheduled}
+    shown = dict(out.num_scheduled_tokens)
     if out.preempted_req_ids:
-        return f"{shown} and preempted {out.preempted_req_ids}"
+        return f"{shown} and preempted {sorted(out.preempted_req_ids)}"
     return str(shown) if shown else "nothing"
 
 
@@ -214,7 +230,7 @@ def _check_common(sched: Scheduler, before: Before, out, watch: Watch) -> None:
         fail(watch.exercise, f"schedule() returned {type(out).__name__}; expected a "
                              f"SchedulerOutput (build it with self.make_scheduler_output(entries, "
                              f"preempted)).")
-    total = sum(s.num_tokens for s in out.scheduled)
+    total = out.total_num_scheduled_tokens
     if total > sched.max_num_batched_tokens:
         watch.fail(out, f"That is {total} tokens, over the step's budget max_num_batched_tokens="
                         f"{sched.max_num_batched_tokens}: subtract what each request gets from "
@@ -227,7 +243,7 @@ def _check_common(sched: Scheduler, before: Before, out, watch: Watch) -> None:
 
 def _check_entries(sched: Scheduler, out, watch: Watch) -> None:
     """Every scheduled request is running and gets between 1 and what it has left."""
-    for s in out.scheduled:
+    for s in _entries(sched, out):
         request = sched.requests.get(s.request_id)
         if request is None or request not in sched.running:
             watch.fail(out, f"Request {s.request_id!r} was scheduled but is not in self.running: "
@@ -247,8 +263,9 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: Watch) -> None:
     if out.preempted_req_ids:
         watch.fail(out, "Nothing needed preempting (the KV cache has room for every request). "
                         + V0_CONVENTION)
-    decodes = [s.request_id for s in out.scheduled if _is_decode(sched, s)]
-    prefills = [s for s in out.scheduled if not _is_decode(sched, s)]
+    entries = _entries(sched, out)
+    decodes = [s.request_id for s in entries if _is_decode(sched, s)]
+    prefills = [s for s in entries if not _is_decode(sched, s)]
     if decodes and prefills:
         watch.fail(out, f"It mixes the prefill of {[s.request_id for s in prefills]} with the "
                         f"decodes of {decodes}: in v0 a step is all-prefill or all-decode. "
@@ -303,18 +320,19 @@ def check_phase_separated_scheduler(scheduler_cls: type, exercise: str = "4.1") 
 
 def _check_v1_step(sched: Scheduler, before: Before, out, watch: Watch) -> None:
     _check_common(sched, before, out, watch)
-    scheduled = {s.request_id: s for s in out.scheduled}
+    entries = _entries(sched, out)
+    scheduled = {s.request_id: s for s in entries}
     threshold = sched.long_prefill_token_threshold
-    for s in out.scheduled:
+    for s in entries:
         if threshold and s.num_tokens > threshold:
             watch.fail(out, f"Request {s.request_id!r} got a chunk of {s.num_tokens} tokens, over "
                             f"long_prefill_token_threshold={threshold}. " + V1_CONVENTION)
-    preempted = list(out.preempted_req_ids)
+    preempted = sorted(out.preempted_req_ids)
     if preempted:
         _check_preemptions(sched, before, out, watch, preempted, scheduled)
     _check_entries(sched, out, watch)
-    watch.mixed_steps += {_is_decode(sched, s) for s in out.scheduled} == {True, False}
-    budget_left = sched.max_num_batched_tokens - sum(s.num_tokens for s in out.scheduled)
+    watch.mixed_steps += {_is_decode(sched, s) for s in entries} == {True, False}
+    budget_left = sched.max_num_batched_tokens - out.total_num_scheduled_tokens
     admitted = [rid for rid in scheduled if rid not in before.running]
     if admitted and preempted:
         watch.fail(out, f"It admitted {admitted} from the waiting queue in a step that had to "

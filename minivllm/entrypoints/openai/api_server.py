@@ -113,7 +113,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                 serving.completion_inputs(req, request_id)
         except RequestError as err:
             return error_response(err)
-        gens = serving.generators(inputs, request_id)
+        gens = serving.generators(inputs, request_id, stream=bool(req.stream))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(

@@ -4,8 +4,9 @@ Each handler turns the request into prompts and ``SamplingParams`` (every mistak
 anything reaches the engine), starts one ``AsyncLLM.generate`` per prompt, then either waits
 for the final outputs (one JSON body) or streams server-sent events: one chunk per new piece
 of text, a last chunk with the finish reason, usage when ``stream_options.include_usage`` asks
-for it, and ``data: [DONE]``. Outputs are cumulative; the delta a chunk carries is the text
-past what was already sent.
+for it, and ``data: [DONE]``. A stream asks the engine for DELTA outputs (each carries only the
+new text and tokens, so a chunk costs what it carries); a full response for FINAL_ONLY (one
+output, at the end).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from minivllm.entrypoints.openai.protocol import (
     SamplingRequest,
     error_from_value_error,
 )
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, RequestOutputKind
 
 
 def engine_dead_error(e: EngineDeadError) -> RequestError:
@@ -85,7 +86,11 @@ class OpenAIServing:
         return [self._process(request_id, prompt, request, request.requested_max_tokens,
                               request.max_tokens_param)]
 
-    def generators(self, inputs: list, request_id: str) -> list[AsyncIterator[RequestOutput]]:
+    def generators(self, inputs: list, request_id: str,
+                   stream: bool = False) -> list[AsyncIterator[RequestOutput]]:
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        for _, params in inputs:
+            params.output_kind = kind
         if len(inputs) == 1:
             return [self.engine.generate(inputs[0][0], inputs[0][1], request_id)]
         return [self.engine.generate(p, sp, f"{request_id}-{i}") for i, (p, sp) in enumerate(inputs)]
@@ -116,8 +121,8 @@ class OpenAIServing:
                               include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        sent_text = [0] * len(gens)
-        finals: list[RequestOutput | None] = [None] * len(gens)
+        num_prompt_tokens = [0] * len(gens)
+        num_output_tokens = [0] * len(gens)
 
         def chunk(choices: list) -> str:
             body = {"id": request_id, "object": obj, "created": created, "model": model,
@@ -131,24 +136,27 @@ class OpenAIServing:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(len(gens))])
             async for i, out in merge_async_iterators(gens):
-                c = out.outputs[0]
-                delta = c.text[sent_text[i]:]
-                sent_text[i] = len(c.text)
+                c = out.outputs[0]  # a DELTA output: only what is new
+                delta = c.text
+                num_prompt_tokens[i] = len(out.prompt_token_ids)
+                num_output_tokens[i] += len(c.token_ids)
                 if not delta and not out.finished:
                     continue
                 choice = {"index": i, "logprobs": None,
                           "finish_reason": c.finish_reason if out.finished else None}
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
-                    finals[i] = out
                 if chat:
                     choice["delta"] = {"content": delta} if delta else {}
                 else:
                     choice["text"] = delta
                 yield chunk([choice])
             if include_usage:
+                prompt, completion = sum(num_prompt_tokens), sum(num_output_tokens)
                 body = {"id": request_id, "object": obj, "created": created, "model": model,
-                        "choices": [], "usage": _usage(finals)}
+                        "choices": [], "usage": {"prompt_tokens": prompt,
+                                                 "completion_tokens": completion,
+                                                 "total_tokens": prompt + completion}}
                 yield f"data: {json.dumps(body)}\n\n"
         except EngineDeadError as e:
             yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
