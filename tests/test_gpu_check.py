@@ -19,6 +19,7 @@ def test_gpu_check_quick_mode_runs_and_writes_every_section(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["quick"] and set(result["phases"]) == {"kernels", "e2e", "decode_steps",
+                                                          "decode_roofline", "overhead",
                                                           "correctness"}
     for name, section in result["phases"].items():
         assert "error" not in section, (name, section.get("traceback"))
@@ -27,5 +28,7 @@ def test_gpu_check_quick_mode_runs_and_writes_every_section(tmp_path):
     assert all(r["triton_seconds"] > 0 for r in phases["kernels"]["prefill"])
     assert set(phases["e2e"]["runs"]) == {"cuda_graphs", "eager", "transformers"}
     assert phases["e2e"]["speedup_vs_transformers"]["cuda_graphs"] > 0
+    assert phases["decode_roofline"]["step_ms"] > phases["decode_roofline"]["attention_ms"] > 0
+    assert set(phases["overhead"]["by_batch"]) == {"1", "8"}
     assert phases["correctness"]["float32"]["all_match"]  # same weights, float32: same tokens
     assert (tmp_path / "gpu-tests.xml").exists()

@@ -97,10 +97,11 @@ class KVCacheManager:
 
         if self.enable_caching:
             num_full = num_tokens_after // self.block_size
-            hashes = self.block_hasher(request, self.block_size)
             already = self.num_cached_blocks.get(request.request_id, 0)
-            self.block_pool.cache_full_blocks(blocks, hashes, already, num_full)
-            self.num_cached_blocks[request.request_id] = max(already, num_full)
+            if num_full > already:  # a block fills up in this step (a decode: 1 step in 16)
+                hashes = self.block_hasher(request, self.block_size)
+                self.block_pool.cache_full_blocks(blocks, hashes, already, num_full)
+                self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 
     def free(self, request: Request) -> None:

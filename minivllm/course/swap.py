@@ -58,7 +58,13 @@ def swapped_scheduler(llm, **overrides):
     )
     scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
     scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
+    if config.max_num_seqs > core.config.max_num_seqs:
+        raise ValueError(f"max_num_seqs={config.max_num_seqs}: the engine was built for at most "
+                         f"{core.config.max_num_seqs}")
     saved = core.scheduler, core.step_trace, core.num_steps
+    # requests that ended but the model runner has not heard of yet: the next step tells it
+    scheduler.finished_req_ids |= saved[0].finished_req_ids
+    saved[0].finished_req_ids = set()
     core.scheduler, core.step_trace, core.num_steps = scheduler, deque(maxlen=saved[1].maxlen), 0
     try:
         yield scheduler
@@ -66,6 +72,5 @@ def swapped_scheduler(llm, **overrides):
         left = list(engine.output_processor.requests)
         if left:
             engine.abort_request(left)
-        for rid in scheduler.finished_req_ids:  # the runner forgets their sampling state
-            core.model_runner.request_generators.pop(rid, None)
+        saved[0].finished_req_ids |= scheduler.finished_req_ids
         core.scheduler, core.step_trace, core.num_steps = saved

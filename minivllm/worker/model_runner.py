@@ -193,6 +193,9 @@ class ModelRunner:
             self._release_row(rid)  # running, but given no tokens this step
 
         for new in so.scheduled_new_reqs:
+            if new.req_id in self.requests:  # an id reused before its end reached the runner
+                self.requests.pop(new.req_id)
+                batch.remove_request(new.req_id)
             params = new.sampling_params
             generator = None
             if params.seed is not None and params.temperature >= _GREEDY_EPS:
@@ -241,6 +244,7 @@ class ModelRunner:
 
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
+        self._ensure_token_capacity(total)
         # token t belongs to row req_indices[t], at offset offsets[t] of that row's new tokens
         req_indices = np.repeat(self.arange[:n], num_sched)
         offsets = self.arange[:total] - np.repeat(cu - num_sched, num_sched)
@@ -273,6 +277,19 @@ class ModelRunner:
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])
         return (self.input_ids.copy_to_gpu(total), self.positions.copy_to_gpu(total), meta,
                 sample_rows, cu)
+
+    def _ensure_token_capacity(self, num_tokens: int) -> None:
+        """Grow the step buffers for a step larger than the budget they were sized for (a
+        scheduler swapped in with a bigger ``max_num_batched_tokens``, as the course does)."""
+        if num_tokens <= len(self.input_ids.np):
+            return
+        if self.cuda_graphs is not None:  # the graphs hold the buffers' addresses
+            raise ValueError(f"a step of {num_tokens} tokens exceeds the {len(self.input_ids.np)} "
+                             "the CUDA graphs were captured with (max_num_batched_tokens)")
+        self.input_ids = CpuGpuBuffer(num_tokens, torch.int32, self.device)
+        self.positions = CpuGpuBuffer(num_tokens, torch.int64, self.device)
+        self.slot_mapping = CpuGpuBuffer(num_tokens, torch.int64, self.device)
+        self.arange = np.arange(max(num_tokens, len(self.arange)), dtype=np.int64)
 
     def _sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
         """The batch's sampling tensors (rebuilt only when its rows changed), for ``sample_rows``."""
