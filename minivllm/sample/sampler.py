@@ -79,7 +79,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if meta.all_greedy:  # the common case: one argmax, nothing else built
+        if meta.all_greedy:
             return greedy
         is_greedy = meta.temperature < _EPS
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
