@@ -26,6 +26,7 @@ SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
@@ -69,6 +70,12 @@ class EngineArgs:
     # (with compile=True, torch.compile fuses the plain-torch ops instead)
     custom_ops: str = "auto"
     multiprocess: bool = False
+    # tensor parallelism: the model's heads, MLP features and vocabulary split across this many
+    # ranks (torch.distributed: gloo on CPU, nccl on GPU)
+    tensor_parallel_size: int = 1
+    # "uni": the model runner in the engine core's process (size 1); "mp": one worker process
+    # per rank, spawned by the engine core. None: "uni" at size 1, "mp" above.
+    distributed_executor_backend: str | None = None
     # how many recent steps get_step_trace() keeps (what each step scheduled, its duration);
     # 0 turns the trace off. On for LLM and the course; `minivllm serve` defaults to 0, so a
     # server's memory does not grow with its uptime.
@@ -113,6 +120,20 @@ class EngineArgs:
 
         backend, use_custom_ops = self._resolve_kernels(device)
 
+        tp = self.tensor_parallel_size
+        executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if executor == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in the engine core's process; "
+                f"tensor_parallel_size={tp} needs 'mp'")
+        from minivllm.model.parallel_layers import check_tensor_parallel_size
+
+        check_tensor_parallel_size(model_config, tp)
+        if tp > 1 and device.type == "cuda":
+            n = torch.cuda.device_count()
+            if n < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {n}")
+
         return EngineConfig(
             model_path=model_path,
             tokenizer_path=self.tokenizer or model_path,
@@ -137,6 +158,8 @@ class EngineArgs:
             use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
             compile=self.compile,
             multiprocess=self.multiprocess,
+            tensor_parallel_size=tp,
+            distributed_executor_backend=executor,
             trace_steps=self.trace_steps,
             scheduler_cls=self.scheduler_cls,
             kv_cache_manager_cls=self.kv_cache_manager_cls,
@@ -195,6 +218,10 @@ class EngineArgs:
         need_int("max_model_len", 2, optional=True)
         need_int("long_prefill_token_threshold", 0)
         need_int("trace_steps", 0)
+        need_int("tensor_parallel_size", 1)
+        if self.distributed_executor_backend not in (None,) + EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -261,6 +288,8 @@ class EngineConfig:
     use_cuda_graph: bool
     compile: bool
     multiprocess: bool
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
     trace_steps: int = 100_000
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None

@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--compile", action="store_true", help="torch.compile the model's elementwise parts")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many ranks (torch.distributed: gloo on CPU, "
+                        "nccl on GPU)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
+                   help="mp: one worker process per rank; uni: the runner in the engine core's "
+                        "process (size 1 only). Default: uni at size 1, mp above")
     g.add_argument("--custom-ops", default="auto", choices=["auto", "all", "none"],
                    help="fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
                         "Triton attention backend, unless --compile)")
