@@ -199,6 +199,11 @@ def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_a
     def reply(status: str, payload) -> None:
         results.send(pickle.dumps((rank, status, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
+    from tqdm import std as tqdm_std
+
+    # tqdm's default lock is a multiprocessing semaphore, which a worker that ends with
+    # os._exit would leave to the resource tracker to complain about
+    tqdm_std.tqdm.set_lock(threading.RLock())
     try:
         from minivllm.worker.worker import Worker
 
@@ -223,8 +228,9 @@ def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_a
             reply("ok", result)
     results.close(linger=2000)
     steps.close(linger=0)
-    if code:
-        os._exit(code)  # no teardown: a peer may already be gone, a collective may hang
+    # no teardown of the process group or the interpreter: a peer may already be gone (a
+    # collective would hang) and torch's teardown takes seconds
+    os._exit(code)
 
 
 def _exit_with_parent() -> None:

@@ -64,14 +64,14 @@ def kv_head_partition(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[in
     ``num_kv_heads >= tp_size``: an even split. Fewer: one head per rank, each head replicated
     on ``tp_size // num_kv_heads`` neighbouring ranks.
     """
-    if num_kv_heads >= tp_size:
-        per_rank = divide(num_kv_heads, tp_size, "num_key_value_heads")
-        return per_rank, tp_rank * per_rank
-    if tp_size % num_kv_heads:
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size ({tp_size}) and num_key_value_heads ({num_kv_heads}): "
             "the KV heads can be neither split evenly nor replicated evenly across the ranks "
             "(one must divide the other)")
+    if num_kv_heads >= tp_size:
+        per_rank = num_kv_heads // tp_size
+        return per_rank, tp_rank * per_rank
     return 1, tp_rank // (tp_size // num_kv_heads)
 
 
