@@ -81,3 +81,85 @@ def test_llm_tensor_parallel_matches_size_1(peaked_models, family, tp):
     assert stats["steps"] >= 16 and stats["bytes"] > 0
     llm.llm_engine.shutdown()
     assert not any(w.is_alive() for w in workers)  # no process left behind
+
+
+# -- through `minivllm serve` -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp_server(peaked_models):
+    from minivllm.benchmarks.common import ServerProcess
+
+    pytest.importorskip("httpx")
+    proc = ServerProcess([peaked_models["llama"], "--port", "0", "-tp", "2",
+                          "--max-num-batched-tokens", "32"])
+    proc.wait_ready(timeout=600)
+    yield proc
+    proc.stop(signal.SIGINT)
+
+
+def _spawned(pid: int) -> list:
+    """The processes ``pid`` spawned with multiprocessing (not its resource tracker)."""
+    import psutil
+
+    return [p for p in psutil.Process(pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_serve_tensor_parallel_matches_size_1(tp_server, peaked_models):
+    import httpx
+
+    llm = LLM(peaked_models["llama"], show_progress=False, **ENGINE)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    got = []
+    for prompt in PROMPTS:
+        r = httpx.post(tp_server.url + "/v1/completions", timeout=120, json={
+            "model": peaked_models["llama"], "prompt": prompt, "max_tokens": 16,
+            "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_killing_a_worker_fails_requests_in_flight_within_a_second(tp_server, peaked_models):
+    """Last on this server: it is left without an engine, and must still stop cleanly."""
+    import httpx
+    import psutil
+
+    [core] = _spawned(tp_server.pid)
+    workers = _spawned(core.pid)
+    assert len(workers) == 2, workers
+    processes = [core, *workers]
+
+    async def run():
+        started = asyncio.Event()
+
+        async def one(client: httpx.AsyncClient, i: int):
+            body = {"model": peaked_models["llama"], "prompt": f"Go {i}", "max_tokens": 2000,
+                    "ignore_eos": True, "stream": True}
+            async with client.stream("POST", tp_server.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"text"' in line:
+                        started.set()
+                    if "error" in line:
+                        return time.monotonic(), line
+            return time.monotonic(), "stream ended"
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(4)]
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(workers[-1].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        return killed, results
+
+    killed, results = asyncio.run(run())
+    for ended, line in results:
+        assert "error" in line, line  # failed, not finished: 2000 tokens take far longer
+        assert ended - killed < 1.0, ended - killed
+    r = httpx.get(tp_server.url + "/health")
+    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    assert tp_server.stop(signal.SIGINT) == 0
+    time.sleep(0.5)
+    left = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left  # no process left behind
