@@ -9,6 +9,7 @@ that names the field, before any weight is loaded.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
@@ -74,7 +75,8 @@ class EngineArgs:
     # ranks (torch.distributed: gloo on CPU, nccl on GPU)
     tensor_parallel_size: int = 1
     # "uni": the model runner in the engine core's process (size 1); "mp": one worker process
-    # per rank, spawned by the engine core. None: "uni" at size 1, "mp" above.
+    # per rank, spawned by the engine core; "external_launcher": the ranks were started by
+    # torchrun (rank 0 runs the engine). None: "uni" at size 1, "mp" above.
     distributed_executor_backend: str | None = None
     # how many recent steps get_step_trace() keeps (what each step scheduled, its duration);
     # 0 turns the trace off. On for LLM and the course; `minivllm serve` defaults to 0, so a
@@ -122,6 +124,11 @@ class EngineArgs:
 
         tp = self.tensor_parallel_size
         executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if executor == "external_launcher" and int(os.environ.get("WORLD_SIZE", "0")) != tp:
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' needs one process per rank "
+                f"started by torchrun: WORLD_SIZE is {os.environ.get('WORLD_SIZE')!r}, "
+                f"tensor_parallel_size {tp}")
         if executor == "uni" and tp > 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one rank in the engine core's process; "

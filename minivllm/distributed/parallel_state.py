@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_CPU_GROUP = None  # a gloo group over the same ranks, for Python objects and small CPU tensors
 
 
 def default_backend(device: torch.device) -> str:
@@ -39,7 +40,7 @@ def init_distributed_environment(
     ``RANK`` and ``WORLD_SIZE`` must be set (``torchrun`` or the multiprocess executor sets
     them); ``MASTER_ADDR`` / ``MASTER_PORT`` say where rank 0 listens.
     """
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _CPU_GROUP
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise RuntimeError(f"torch.distributed needs the environment variables {missing} "
@@ -50,14 +51,35 @@ def init_distributed_environment(
         dist.init_process_group(backend=backend, init_method="env://", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
     _TP_RANK, _TP_SIZE = dist.get_rank(), dist.get_world_size()
+    _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
     return _TP_RANK, _TP_SIZE
 
 
 def destroy_distributed_environment() -> None:
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _CPU_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE = 0, 1
+    _TP_RANK, _TP_SIZE, _CPU_GROUP = 0, 1, None
+
+
+def cpu_group():
+    return _CPU_GROUP
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (ranks agree on the KV cache's size with it)."""
+    if _TP_SIZE == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())
+
+
+def broadcast_object(obj=None, src: int = 0):
+    """Rank ``src``'s Python object, on every rank (pickled, over the CPU group)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    return box[0]
 
 
 def get_tensor_model_parallel_rank() -> int:

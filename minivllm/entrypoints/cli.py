@@ -41,9 +41,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many ranks (torch.distributed: gloo on CPU, "
                         "nccl on GPU)")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni"],
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "external_launcher"],
                    help="mp: one worker process per rank; uni: the runner in the engine core's "
-                        "process (size 1 only). Default: uni at size 1, mp above")
+                        "process (size 1 only); external_launcher: every rank started by torchrun "
+                        "runs this same command, rank 0 runs the engine. Default: uni at size 1, "
+                        "mp above")
     g.add_argument("--custom-ops", default="auto", choices=["auto", "all", "none"],
                    help="fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
                         "Triton attention backend, unless --compile)")
@@ -103,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """Ranks 1.. of a torchrun launch run no command: they serve rank 0's engine."""
+    import os
+
+    return (getattr(args, "distributed_executor_backend", None) == "external_launcher"
+            and int(os.environ.get("RANK", "0")) > 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -110,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
+        if _is_torchrun_worker(args):
+            from minivllm.config import EngineArgs
+            from minivllm.executor.external_launcher import run_worker_loop
+
+            model = getattr(args, "model_tag", None) or args.model
+            return run_worker_loop(EngineArgs(**{**engine_kwargs(args), "model": model})
+                                   .create_config())
         return args.func(args) or 0
     except ValueError as e:
         print(f"minivllm: error: {e}", file=sys.stderr)

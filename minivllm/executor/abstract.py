@@ -9,6 +9,9 @@ which runs it on every worker (one per tensor-parallel rank) and returns rank 0'
 * ``MultiprocExecutor`` (``"mp"``): spawns ``tensor_parallel_size`` worker processes and
   broadcasts each step to them over ZMQ; the workers join a torch.distributed group and run
   their shards together.
+* ``ExternalLauncherExecutor`` (``"external_launcher"``): the ranks were started by
+  ``torchrun`` (one machine or several): rank 0 runs the engine with its worker in-process and
+  broadcasts each step through torch.distributed; the other ranks run ``run_worker_loop``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ class Executor:
             from minivllm.executor.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
+        if config.distributed_executor_backend == "external_launcher":
+            from minivllm.executor.external_launcher import ExternalLauncherExecutor
+
+            return ExternalLauncherExecutor
         from minivllm.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor
@@ -37,8 +44,8 @@ class Executor:
         raise NotImplementedError
 
     def determine_num_blocks(self) -> int:
-        # every rank must fit the cache: the smallest answer wins
-        return min(self.collective_rpc("determine_num_blocks"))
+        # the ranks agree on the smallest answer among themselves (Worker.determine_num_blocks)
+        return self.collective_rpc("determine_num_blocks", output_rank=0)[0]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))

@@ -42,7 +42,8 @@ class Worker:
         self.model_runner = ModelRunner(config, show_progress=show_progress and self.rank == 0)
 
     def determine_num_blocks(self) -> int:
-        return self.model_runner.determine_num_blocks()
+        # every rank must fit the cache: the ranks agree on the smallest answer
+        return parallel_state.all_reduce_min(self.model_runner.determine_num_blocks())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
