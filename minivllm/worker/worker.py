@@ -55,13 +55,13 @@ class Worker:
         """Answer at once (the executor's broadcast round trip is measured with it)."""
         return self.rank
 
-    def measure_all_reduce(self, num_tokens: int, repeats: int = 20) -> dict:
+    def measure_all_reduce(self, num_tokens: int, repeats: int = 50, warmup: int = 5) -> dict:
         """Seconds of one all-reduce of ``[num_tokens, hidden]`` activations (median), as the
         row-parallel layers run it, and its bytes."""
         c = self.config.model_config
         x = torch.ones(num_tokens, c.hidden_size, dtype=self.config.dtype, device=self.config.device)
         times = []
-        for _ in range(repeats + 2):
+        for _ in range(warmup + repeats):
             if self.config.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -69,7 +69,7 @@ class Worker:
             if self.config.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        times = sorted(times[2:])
+        times = sorted(times[warmup:])
         return {"num_tokens": num_tokens, "bytes": x.numel() * x.element_size(),
                 "seconds": times[len(times) // 2]}
 
