@@ -13,6 +13,8 @@ block table) with an online softmax, and stops at the last key its last query ma
 Query j of the chunk sits at position ``seq_len - query_len + j`` and sees keys up to there.
 Heads are the fastest grid axis so the programs sharing a KV head (GQA) run side by side and
 find its K/V tiles in L2.
+
+Torch reference (what the tests compare it with): ``minivllm.attention.torch_backend.paged_prefill_attention``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.attention.torch_backend import paged_prefill_attention as reference  # noqa: F401
 from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 from minivllm.kernels.decode_attention import LOG2E, dot_precision
 

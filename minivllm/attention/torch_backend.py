@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+from minivllm.utils import cdiv
 
 # padded work a plan may add on top of the exact work before it splits into more groups
 MAX_PADDING = 0.2
@@ -53,7 +54,7 @@ def gather_context(
     """[num_blocks, block_size, kv_heads, d] + [seqs, blocks] -> [seqs, num_tokens, kv_heads, d]."""
     block_size = cache.shape[1]
     num_seqs = block_tables.shape[0]
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1)
     # index_select copies whole blocks (contiguous memory): far faster than fancy indexing
     ctx = torch.index_select(cache, 0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
@@ -125,7 +126,7 @@ def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block
     g = len(seqs)
     q_lens, s_lens = query_lens[seqs], seq_lens[seqs]
     query_pad = int(q_lens.max())
-    num_blocks = -(-int(s_lens.max()) // block_size)
+    num_blocks = cdiv(int(s_lens.max()), block_size)
     kv_len = num_blocks * block_size
 
     offsets = np.arange(query_pad)

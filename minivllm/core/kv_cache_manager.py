@@ -25,10 +25,7 @@ from collections.abc import Callable
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.core.kv_cache_utils import BlockHash, update_block_hashes
 from minivllm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from minivllm.utils import cdiv
 
 
 class KVCacheManager:

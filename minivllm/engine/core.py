@@ -15,11 +15,12 @@ from collections import deque
 
 from minivllm.config import EngineConfig
 from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import EngineCoreRequest, Request
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
 from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.utils import cdiv
 from minivllm.worker.model_runner import ModelRunner
 
 SCHEDULER_CLASSES = {"v1": Scheduler, "v0": PhaseSeparatedScheduler}

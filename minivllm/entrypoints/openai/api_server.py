@@ -176,9 +176,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(args) -> None:
-    from minivllm.entrypoints.cli import engine_kwargs
-
-    engine_args = EngineArgs(**engine_kwargs(args))  # includes --multiprocess
+    engine_args = EngineArgs.from_cli_args(args)  # includes --multiprocess
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
