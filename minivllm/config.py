@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +33,10 @@ SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
+
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len past what the model's positions cover is
+# refused unless this environment variable is "1" (or "true")
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "MINIVLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
@@ -176,9 +182,7 @@ class EngineArgs:
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
 
-        max_model_len = self.max_model_len or model_config.max_position_embeddings
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        max_model_len, model_config = _resolve_max_model_len(self.max_model_len, model_config)
 
         chunked = self.enable_chunked_prefill and self.scheduler == "v1"
         budget = self.max_num_batched_tokens
@@ -359,6 +363,34 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
+
+
+def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tuple[int, ModelConfig]:
+    """The context length to serve: the model's own by default; a longer one only on request.
+
+    Past ``max_position_embeddings`` (stretched by rope scaling) the rotary table has no row: the
+    model would read positions it was never trained on. With the override the table is extended
+    to ``max_model_len`` (the rotary formula is defined everywhere) and a warning says that the
+    outputs may be wrong.
+    """
+    derived = model_config.derived_max_model_len
+    if asked is None:
+        return max(derived, 2), model_config
+    if asked < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {asked}")
+    if asked > derived:
+        msg = (f"max_model_len ({asked}) is longer than the model's derived maximum length "
+               f"({derived}: max_position_embeddings in its config.json, with rope scaling)")
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() not in ("1", "true"):
+            raise ValueError(
+                f"{msg}. Positions past it were never trained and may give wrong outputs. "
+                f"To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1"
+            )
+        warnings.warn(f"{msg}; allowed by {ALLOW_LONG_MAX_MODEL_LEN_ENV}: outputs past "
+                      f"{derived} tokens may be wrong", stacklevel=3)
+        if asked > model_config.max_position_embeddings:  # the rotary table must reach it
+            model_config = dataclasses.replace(model_config, max_position_embeddings=asked)
+    return asked, model_config
 
 
 def _resolve_device(device: str) -> torch.device:

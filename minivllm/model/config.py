@@ -122,6 +122,22 @@ class ModelConfig:
             torch_dtype=_TORCH_DTYPES.get(str(dtype_name), torch.float32),
         )
 
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the checkpoint's positions cover (vLLM's "derived max_model_len").
+
+        Rope scaling is taken into account: a scaling type that stretches the positions by
+        ``factor`` multiplies the trained length, except llama3's, whose ``max_position_embeddings``
+        is already the stretched length (``original_max_position_embeddings`` is the trained one).
+        """
+        length = self.max_position_embeddings
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3") and "factor" in scaling:
+            base = scaling.get("original_max_position_embeddings", length)
+            length = int(base * scaling["factor"])
+        return length
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers (what a KV block is made of)."""
         elem = torch.tensor([], dtype=dtype).element_size()

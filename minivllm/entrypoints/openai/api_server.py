@@ -39,8 +39,9 @@ from minivllm.entrypoints.openai.serving import OpenAIServing, engine_dead_error
 from minivllm.model_hub import BUNDLED_NAME
 
 
-def error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+def error_response(err: RequestError) -> Response:
+    # ASCII-escaped JSON: a message may quote what the client sent, lone surrogates included
+    return Response(json.dumps(err.to_dict()), status_code=err.status, media_type="application/json")
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
