@@ -91,8 +91,6 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor | list[int],  # [seqs]
     block_tables: torch.Tensor,  # [seqs, max_blocks] int32
     scale: float,
-    k: torch.Tensor | None = None,  # accepted for the reference's signature; the kernel reads
-    v: torch.Tensor | None = None,  # every key and value from the cache
     max_query_len: int | None = None,  # sizes the grid; from a list it is free, else a host sync
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ value raises ``ValueError`` naming the field before any KV block is allocated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from minivllm.outputs import RequestOutputKind
 
@@ -67,8 +67,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # filled in by the engine: every token id that ends this request (EOS + stop_token_ids)
-    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
