@@ -1,12 +1,14 @@
 """The package's import directions: each layer imports only from the layers below it.
 
-    utils, outputs, sampling_params, config, core.sched_output  <  kernels  <  attention
+    utils, outputs, sampling_params, config, core.sched_output, engine.messages
+      <  kernels  <  attention
       <  model  <  sample  <  worker  <  core  <  engine  <  entrypoints  <  testing, sim
       <  benchmarks  <  course
 
-``config`` (the engine's arguments and resolved configuration) and ``core.sched_output`` (the
-messages from the scheduler to the runner) are shared vocabulary at the bottom: the runner reads
-both, the scheduler writes the second.
+``config`` (the engine's arguments and resolved configuration), ``core.sched_output`` (the
+messages from the scheduler to the runner) and ``engine.messages`` (those between the front end
+and the engine core) are shared vocabulary at the bottom: plain dataclasses that the layers
+above fill in and read.
 
 Checked on module-level imports (what runs at ``import``); imports inside functions and under
 ``if TYPE_CHECKING:`` are how an upper layer is reached on purpose, late. ``import minivllm``
@@ -20,7 +22,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
-    {"utils", "outputs", "sampling_params", "config", "core.sched_output"},
+    {"utils", "outputs", "sampling_params", "config", "core.sched_output", "engine.messages"},
     {"kernels"},
     {"attention"},
     {"model", "model_hub"},

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus, check_stop
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.core.sched_output import (
     CachedRequestData,
-    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,

@@ -15,9 +15,10 @@ from collections import deque
 
 from minivllm.config import EngineConfig
 from minivllm.core.builder import build_scheduler_from_config
-from minivllm.core.request import EngineCoreRequest, Request
+from minivllm.core.request import Request
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.core.scheduler import Scheduler
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.utils import cdiv
 from minivllm.worker.model_runner import ModelRunner
 

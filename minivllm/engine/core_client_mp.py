@@ -32,8 +32,8 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     ) from e
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine import serial
 from minivllm.engine.core_client import AsyncClientBase
 from minivllm.engine.core_proc import run_engine_core

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.sampling_params import SamplingParams, is_utf8
 
 PromptType = str | dict

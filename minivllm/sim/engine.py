@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.builder import build_scheduler
-from minivllm.core.request import EngineCoreRequest, Request
+from minivllm.core.request import Request
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.cost_model import CostModel
