@@ -148,7 +148,7 @@ def server(tiny_llama):
     from minivllm.benchmarks.common import ServerProcess
 
     proc = ServerProcess([tiny_llama, "--port", "0", "--max-model-len", "64",
-                          "--served-model-name", "tiny"])
+                          "--served-model-name", "tiny", "--max-request-body-bytes", "100000"])
     proc.wait_ready(timeout=600)
     yield proc
     assert proc.stop() == 0
@@ -179,6 +179,75 @@ def test_server_answers_or_gives_a_400(server, fields, chat, prompt, msgs):
         if r.status_code != 200:
             assert r.json()["error"]["message"]
         assert client.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_openapi_schema_describes_the_request_bodies(server):
+    import httpx
+
+    spec = httpx.get(server.url + "/openapi.json").json()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"].endswith("/CompletionRequest")
+    completion = spec["components"]["schemas"]["CompletionRequest"]
+    assert {"prompt", "max_tokens", "temperature", "seed", "top_k"} <= set(completion["properties"])
+    assert "prompt" in completion["required"]
+    seed = next(s for s in completion["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
+    assert seed["maximum"] == INT64_MAX
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    assert chat["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+
+
+@pytest.mark.slow
+def test_oversized_body_is_a_413_before_it_is_read(server):
+    import socket
+    from urllib.parse import urlparse
+
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/completions", json={"prompt": "x" * 200_000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(50):
+                yield b" " * 10_000
+
+        r = client.post("/v1/completions", content=chunks(),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+                           ).status_code == 200
+    # a declared 1 GB body is refused from its headers alone: nothing more is sent
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 413")
+
+
+@pytest.mark.slow
+def test_every_endpoint_fuzzed_from_the_openapi_schema(server):
+    """schemathesis builds requests from the server's own schema (valid ones and, in negative
+    mode, ones that break it): never a 5xx, for every operation."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions",
+                                              "/health", "/metrics", "/v1/models"}
+    for op in operations:
+        # negative mode breaks what the schema describes: a GET without parameters has nothing
+        modes = [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * (op.method == "post")
+        for mode in modes:
+            @settings(max_examples=25, deadline=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def fuzz(case):
+                case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+            fuzz()
 
 
 @pytest.mark.slow

@@ -71,11 +71,16 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not getattr(
+                self.scheduler, "finished_req_ids", None):
             return []
         start = time.time()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.total_num_scheduled_tokens:
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                # nothing to compute, but the runner must still forget these requests (their
+                # rows in its persistent batch), or it would hold them until a later step
+                self.model_runner.execute_model(scheduler_output)
             return []
         # labelled before update_from_output, which forgets the requests that finish
         kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None

@@ -23,6 +23,9 @@ def add_serve_parser(subparsers) -> None:
                    help="model name(s) the API accepts (default: MODEL)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 endpoints")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+                   help="refuse a larger request body with 413, before reading it whole "
+                        "(default 16 MiB)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     # a server runs its engine core in its own process, and keeps no step trace (its memory
