@@ -78,6 +78,10 @@ class EngineArgs:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None  # the front end's incremental detokenizer
+    # the model runner: None for the real one; a class or "module:Class" (e.g. the simulator's
+    # paced runner, "minivllm.sim.paced_runner:PacedModelRunner", which runs no model)
+    model_runner_cls: type | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -142,6 +146,8 @@ class EngineArgs:
             kv_cache_manager_cls=self.kv_cache_manager_cls,
             block_pool_cls=self.block_pool_cls,
             sampler_cls=self.sampler_cls,
+            detokenizer_cls=self.detokenizer_cls,
+            model_runner_cls=_resolve_class("model_runner_cls", self.model_runner_cls),
             use_custom_ops=use_custom_ops,
         )
 
@@ -266,6 +272,8 @@ class EngineConfig:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None
+    model_runner_cls: type | None = None
     use_custom_ops: bool = False  # fused Triton elementwise kernels (resolved from custom_ops)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -276,6 +284,21 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
+
+
+def _resolve_class(name: str, value: type | str | None) -> type | None:
+    """A class given as itself or as "package.module:Class" (what a command line can pass)."""
+    if value is None or isinstance(value, type):
+        return value
+    module, sep, attr = str(value).partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{name} must be a class or 'package.module:Class', got {value!r}")
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{name}: cannot import {value!r} ({e})") from None
 
 
 def _resolve_device(device: str) -> torch.device:

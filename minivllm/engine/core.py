@@ -28,7 +28,7 @@ SCHEDULER_CLASSES = {"v1": Scheduler, "v0": PhaseSeparatedScheduler}
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, show_progress=show_progress)
+        self.model_runner = (config.model_runner_cls or ModelRunner)(config, show_progress=show_progress)
         num_blocks = self.model_runner.determine_num_blocks()
         needed = cdiv(config.max_model_len, config.block_size)
         if num_blocks < needed:

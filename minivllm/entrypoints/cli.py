@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--custom-ops", default="auto", choices=["auto", "all", "none"],
                    help="fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
                         "Triton attention backend, unless --compile)")
+    g.add_argument("--model-runner-cls", default=None, metavar="MODULE:CLASS",
+                   help="another model runner, e.g. minivllm.sim.paced_runner:PacedModelRunner "
+                        "(no model: each step sleeps its simulated H100 time; for load tests)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
