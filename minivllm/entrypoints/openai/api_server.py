@@ -44,8 +44,10 @@ def error_response(err: RequestError) -> JSONResponse:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names)
+              stat_logger: PrometheusStatLogger | None = None, chat_stream=None) -> FastAPI:
+    """``chat_stream``: replaces the function that streams chat completions (see
+    ``serving.chat_completion_stream_generator``)."""
+    serving = OpenAIServing(engine, served_model_names, chat_stream)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
