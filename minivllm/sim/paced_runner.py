@@ -9,12 +9,17 @@ waits for the GPU (a CUDA synchronize), so the front end can run meanwhile, exac
 could beside a real GPU. On a CPU-only machine this shows the engine's *host* side at the pace
 of a GPU, which a CPU forward pass (holding the very cores the front end needs) cannot.
 
+With ``MINIVLLM_PACED_LOG=path`` in the environment, every step appends a line
+``sleep_start sleep_end num_tokens`` (``time.time()`` seconds) to that file: when the "GPU" was
+busy, so the gaps between steps, the time it sat idle waiting for the host, can be measured.
+
 The sampled tokens are made up (deterministic per request and position, never a special token):
 the text is gibberish, its cost to detokenize and stream is real.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from minivllm.config import EngineConfig
@@ -35,6 +40,8 @@ class PacedModelRunner:
         self.kv_caches: list = []
         self.num_steps = 0
         self.modelled_time_s = 0.0  # the sum of every step's simulated time
+        path = os.environ.get("MINIVLLM_PACED_LOG")
+        self.log = open(path, "a", buffering=1) if path else None  # line-buffered
 
     def determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -72,7 +79,10 @@ class PacedModelRunner:
             else:
                 result.sampled_token_ids.append([])
         step_time = self.cost_model.step_time(work)
+        start = time.time()
         time.sleep(step_time)  # releases the GIL, as waiting for a GPU does
+        if self.log is not None:
+            self.log.write(f"{start:.6f} {time.time():.6f} {so.total_num_scheduled_tokens}\n")
         self.num_steps += 1
         self.modelled_time_s += step_time
         return result
