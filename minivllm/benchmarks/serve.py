@@ -190,7 +190,10 @@ async def _probe_health(client, url: str, interval: float, latencies: list[float
             pass
 
 
-async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
+async def run_benchmark(args, requests: list[BenchRequest], model: str,
+                        keep_results: bool = False) -> dict:
+    """Send the requests, summarize the figures; ``keep_results``: also return every request's
+    ``RequestResult`` (under "results"), for plots of whole distributions."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -227,7 +230,10 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         stop.set()
         if prober is not None:
             await prober
-    return summarize(results, duration, parse_goodput(args.goodput), health)
+    summary = summarize(results, duration, parse_goodput(args.goodput), health)
+    if keep_results:
+        summary["results"] = results
+    return summary
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

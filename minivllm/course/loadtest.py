@@ -50,8 +50,9 @@ def client_args(base_url: str, num_clients: int, num_prompts: int, input_len: in
         health_interval=health_interval)
 
 
-def bench(args: argparse.Namespace) -> dict:
-    """``minivllm bench serve`` against ``args.base_url``: its summary dict."""
+def bench(args: argparse.Namespace, keep_results: bool = False) -> dict:
+    """``minivllm bench serve`` against ``args.base_url``: its summary dict (with every
+    request's ``RequestResult`` under "results" if ``keep_results``)."""
     from minivllm.benchmarks.serve import (
         load_prompt_tokenizer, make_requests, run_benchmark, served_model,
     )
@@ -59,7 +60,7 @@ def bench(args: argparse.Namespace) -> dict:
     model, root = served_model(args)
     tok = load_prompt_tokenizer(args, root)
     requests = make_requests(args, len(tok), set(tok.all_special_ids))
-    return run_coroutine(lambda: run_benchmark(args, requests, model))
+    return run_coroutine(lambda: run_benchmark(args, requests, model, keep_results))
 
 
 def read_gpu_log(path: str) -> list[tuple[float, float, int]]:
@@ -103,3 +104,55 @@ def paced_server_run(multiprocess: bool, num_clients: int = 128, num_prompts: in
     first = next((i for i, s in enumerate(steps) if s[2] > 8), len(steps))
     steps = steps[first:]
     return {"summary": summary, "steps": steps, **gpu_timeline(steps)}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name (labels dropped): value}; histograms' _sum and _count
+    kept, their buckets dropped."""
+    values = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or "_bucket{" in line:
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        values[name_labels.split("{")[0]] = float(value)
+    return values
+
+
+class MetricsScraper:
+    """Scrape ``/metrics`` every ``interval`` seconds on a thread, as Prometheus would."""
+
+    def __init__(self, base_url: str, interval: float = 0.1) -> None:
+        self.url = f"{base_url.rstrip('/')}/metrics"
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (time.time(), values)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="metrics-scraper")
+
+    def _run(self) -> None:
+        import time
+
+        import httpx
+
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                try:
+                    self.samples.append((time.time(), parse_metrics(client.get(self.url).text)))
+                except httpx.HTTPError:
+                    pass
+                self._stop.wait(self.interval)
+
+    def __enter__(self) -> "MetricsScraper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def series(self, name: str) -> tuple[list[float], list[float]]:
+        """(seconds since the first sample, values) of one metric."""
+        if not self.samples:
+            return [], []
+        t0 = self.samples[0][0]
+        return ([t - t0 for t, v in self.samples if name in v],
+                [v[name] for t, v in self.samples if name in v])

@@ -12,6 +12,7 @@ be the reference's. Then the real engine generates with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 
 from minivllm.core.sched_output import EngineCoreOutput
@@ -38,6 +39,14 @@ TEXTS = [
     "Привет, мир! Ελληνικά κείμενα. עִבְרִית. 한국어 문장입니다. The end.",
     "Numbers 1234567890, symbols <>&\"' and spaces   between    words. Ünïcödé ëvérywhêrë.",
 ]
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from minivllm.engine.processor import load_tokenizer
+    from minivllm.model_hub import bundled_model_path
+
+    return load_tokenizer(bundled_model_path())
 
 
 def _cases(tokenizer, seed: int):
@@ -162,8 +171,7 @@ def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> 
     if not isinstance(detokenizer_cls, type):
         fail(exercise, f"expected a class (detokenizer_cls(tokenizer, prompt_token_ids, params)), "
                        f"got {detokenizer_cls!r}")
-    llm = check_engine()
-    tokenizer = llm.get_tokenizer()
+    tokenizer = _tokenizer()
     cases = _targeted(tokenizer) + _cases(tokenizer, seed)
     reference = [_run(tokenizer, detok.SlowIncrementalDetokenizer, c) for c in cases]
     with _package_detokenizer_unavailable(exercise):
@@ -178,7 +186,7 @@ def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> 
                 fail(exercise, f"{_describe(case)}: your detokenizer raised "
                                f"{type(e).__name__}: {e}. " + CONVENTION)
             _compare(exercise, tokenizer, case, want, got)
-    num_texts = _check_in_engine(llm, detokenizer_cls, exercise)
+    num_texts = _check_in_engine(check_engine(), detokenizer_cls, exercise)
     passed(exercise, f"{detokenizer_cls.__name__} gave the engine's outputs on {len(cases)} streams "
                      f"(characters split across tokens, stop strings spanning tokens, held-back "
                      f"text, every output kind), and the engine generating with it returns the "
