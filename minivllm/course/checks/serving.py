@@ -86,6 +86,7 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
         fail(exercise, "your function calls minivllm's own chat_completion_stream_generator; "
                        "write the events yourself")
 
+    _probe(chat_stream)  # an unsolved exercise raises here, not inside the server
     serving_module.chat_completion_stream_generator = unavailable
     try:
         with serving(chat_stream) as url:
@@ -105,6 +106,22 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
     passed(exercise, f"the openai client streamed {checked} chat completions from a minivllm "
                      f"server running your function: role first, content equal to the "
                      f"non-streamed answers, finish reasons, usage, and [DONE].")
+
+
+def _probe(chat_stream) -> None:
+    """Run the function once on a made-up one-token stream, outside any server: an exception
+    (NotImplementedError while the exercise is unsolved) is raised here as it is."""
+    from minivllm.course.loadtest import run_coroutine
+    from minivllm.outputs import CompletionOutput, RequestOutput
+
+    async def outputs():
+        yield RequestOutput("probe", None, [1, 2], [CompletionOutput(0, "Hi", [3],
+                                                                     finish_reason="length")], True)
+
+    async def consume():
+        return [event async for event in chat_stream("probe", "model", outputs(), True)]
+
+    run_coroutine(consume)
 
 
 def _model(client) -> str:
