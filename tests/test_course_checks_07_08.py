@@ -1,5 +1,6 @@
-"""The checkers of chapters 07 and 08: a correct component passes, each classic mistake fails
-with a CheckFailed that names the convention or the mistake."""
+"""The checkers of chapters 07 and 08: each classic mistake fails with a CheckFailed that names
+the convention or the mistake. (That a correct component passes, the solutions notebooks show
+under nbval; 8.2's is cheap enough to check here too.)"""
 
 import json
 import queue
@@ -94,11 +95,6 @@ class OneMessagePerStep(Loop):
             return False
 
 
-def test_busy_loop_check_passes_a_correct_loop(capsys):
-    checks.check_busy_loop(Loop)
-    assert "Exercise 7.1 passed" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("cls, fragment", [
     (BusyWaiting, "busy-wait"),
     (OneMessagePerStep, "drain the whole input queue"),
@@ -153,11 +149,6 @@ class Detok:
         out = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
-
-
-def test_detokenizer_check_passes_the_classic_algorithm(capsys):
-    checks.check_detokenizer(Detok)
-    assert "Exercise 7.2 passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -203,11 +203,11 @@ def _check_in_engine(llm, detokenizer_cls, exercise: str) -> int:
         try:
             llm.llm_engine.reset_prefix_cache()
             outs = llm.generate(ENGINE_PROMPTS, [
-                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=24, stop=[" and", "."]),
-                SamplingParams(temperature=0, max_tokens=24, stop=["\n"],
+                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=12, stop=[" and", "."]),
+                SamplingParams(temperature=0, max_tokens=12, stop=["\n"],
                                include_stop_str_in_output=True),
-                SamplingParams(temperature=0, max_tokens=24, stop=["cache"]),
+                SamplingParams(temperature=0, max_tokens=12, stop=["cache"]),
             ], use_tqdm=False)
         finally:
             from minivllm.engine.detokenizer import default_detokenizer_cls
