@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import random
@@ -86,7 +87,7 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
         fail(exercise, "your function calls minivllm's own chat_completion_stream_generator; "
                        "write the events yourself")
 
-    _probe(chat_stream)  # an unsolved exercise raises here, not inside the server
+    _probe(chat_stream, exercise)  # an unsolved exercise raises here, not inside the server
     serving_module.chat_completion_stream_generator = unavailable
     try:
         with serving(chat_stream) as url:
@@ -108,7 +109,7 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
                      f"non-streamed answers, finish reasons, usage, and [DONE].")
 
 
-def _probe(chat_stream) -> None:
+def _probe(chat_stream, exercise: str) -> None:
     """Run the function once on a made-up one-token stream, outside any server: an exception
     (NotImplementedError while the exercise is unsolved) is raised here as it is."""
     from minivllm.course.loadtest import run_coroutine
@@ -119,9 +120,15 @@ def _probe(chat_stream) -> None:
                                                                      finish_reason="length")], True)
 
     async def consume():
-        return [event async for event in chat_stream("probe", "model", outputs(), True)]
+        stream = chat_stream("probe", "model", outputs(), True)
+        if inspect.iscoroutine(stream):  # no yield in the body: not an async generator
+            await stream  # (an unsolved exercise raises NotImplementedError here)
+            return None
+        return [event async for event in stream]
 
-    run_coroutine(consume)
+    if run_coroutine(consume) is None:
+        fail(exercise, "chat_stream must be an async generator function (async def with yield): "
+                       "each yield is one server-sent event. " + STREAM_CONVENTION)
 
 
 def _model(client) -> str:
