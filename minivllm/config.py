@@ -91,6 +91,9 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
         "only); external_launcher: every rank started by torchrun runs this same command, rank "
         "0 runs the engine. Default: uni at size 1, mp above", EXECUTOR_BACKENDS),
 }
+_CLI_HELP["model_runner_cls"] = (
+    "another model runner as MODULE:CLASS, e.g. minivllm.sim.paced_runner:PacedModelRunner (no "
+    "model: each step sleeps its simulated H100 time; for load tests)", None)
 # short spellings vLLM also accepts
 _CLI_ALIASES = {"tensor_parallel_size": ("-tp",)}
 
@@ -146,6 +149,10 @@ class EngineArgs:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None  # the front end's incremental detokenizer
+    # the model runner: None for the real one; a class or "module:Class" (e.g. the simulator's
+    # paced runner, "minivllm.sim.paced_runner:PacedModelRunner", which runs no model)
+    model_runner_cls: type | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -153,8 +160,11 @@ class EngineArgs:
 
     @classmethod
     def cli_fields(cls) -> list[dataclasses.Field]:
-        """The fields a command line can set: all but the injectable classes (``*_cls``)."""
-        return [f for f in dataclasses.fields(cls) if not f.name.endswith("_cls")]
+        """The fields a command line can set: all but the injectable classes (``*_cls``) that
+        only Python can pass (a class given as "module:Class" text has its flag)."""
+        hints = typing.get_type_hints(cls)
+        return [f for f in dataclasses.fields(cls)
+                if not f.name.endswith("_cls") or str in typing.get_args(hints[f.name])]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -176,7 +186,7 @@ class EngineArgs:
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
                 continue
-            base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            base = next(t for t in typing.get_args(kind) or (kind,) if t not in (type(None), type))
             group.add_argument(*flags, type=base, default=default, choices=choices,
                                help=help_text if default is None else f"{help_text} (default: {default})")
         return parser
@@ -274,6 +284,8 @@ class EngineArgs:
             kv_cache_manager_cls=self.kv_cache_manager_cls,
             block_pool_cls=self.block_pool_cls,
             sampler_cls=self.sampler_cls,
+            detokenizer_cls=self.detokenizer_cls,
+            model_runner_cls=_resolve_class("model_runner_cls", self.model_runner_cls),
             use_custom_ops=use_custom_ops,
         )
 
@@ -407,6 +419,8 @@ class EngineConfig:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None
+    model_runner_cls: type | None = None
     use_custom_ops: bool = False  # fused Triton elementwise kernels (resolved from custom_ops)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -445,6 +459,21 @@ def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tupl
         if asked > model_config.max_position_embeddings:  # the rotary table must reach it
             model_config = dataclasses.replace(model_config, max_position_embeddings=asked)
     return asked, model_config
+
+
+def _resolve_class(name: str, value: type | str | None) -> type | None:
+    """A class given as itself or as "package.module:Class" (what a command line can pass)."""
+    if value is None or isinstance(value, type):
+        return value
+    module, sep, attr = str(value).partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{name} must be a class or 'package.module:Class', got {value!r}")
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{name}: cannot import {value!r} ({e})") from None
 
 
 def _resolve_device(device: str) -> torch.device:
