@@ -39,7 +39,8 @@ class Worker:
         # imported here: the runner's model reads the rank and the world size as it is built
         from minivllm.worker.model_runner import ModelRunner
 
-        self.model_runner = ModelRunner(config, show_progress=show_progress and self.rank == 0)
+        runner_cls = config.model_runner_cls or ModelRunner  # e.g. the course's paced runner
+        self.model_runner = runner_cls(config, show_progress=show_progress and self.rank == 0)
 
     def determine_num_blocks(self) -> int:
         # every rank must fit the cache: the ranks agree on the smallest answer
