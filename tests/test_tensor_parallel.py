@@ -64,6 +64,51 @@ def test_sizes_that_do_not_fit_are_refused(peaked_models):
         EngineArgs(peaked_models["llama"], tensor_parallel_size=0).create_config()
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_loads_its_slice(peaked_models, monkeypatch, tp):
+    """Built as rank r of tp (no process group needed to load), every sharded parameter holds
+    rank r's rows or columns of the checkpoint: heads, KV heads (replicated at tp=4, which has
+    more ranks than the llama preset's 2 KV heads), MLP features, vocabulary."""
+    import torch
+
+    from minivllm.distributed import parallel_state
+    from minivllm.model.loader import load_model
+
+    path = peaked_models["llama"]
+    c = ModelConfig.from_pretrained(path)
+    full = dict(load_model(path, c, torch.device("cpu"), torch.float32, False).named_parameters())
+    d, heads, kv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    q_full, k_full, v_full = full["model.layers.0.self_attn.qkv_proj.weight"].split(
+        [heads * d, kv * d, kv * d])
+    inter = c.intermediate_size
+    for rank in range(tp):
+        monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
+        monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
+        shard = dict(load_model(path, c, torch.device("cpu"), torch.float32, False)
+                     .named_parameters())
+        hq = heads // tp
+        kv_local, kv_first = max(1, kv // tp), rank * kv // tp  # kv=2: tp=2 -> 1 each; tp=4 -> shared
+        q, k, v = shard["model.layers.0.self_attn.qkv_proj.weight"].split(
+            [hq * d, kv_local * d, kv_local * d])
+        assert torch.equal(q, q_full[rank * hq * d:(rank + 1) * hq * d])
+        assert torch.equal(k, k_full[kv_first * d:(kv_first + kv_local) * d])
+        assert torch.equal(v, v_full[kv_first * d:(kv_first + kv_local) * d])
+        o = shard["model.layers.0.self_attn.o_proj.weight"]
+        assert torch.equal(o, full["model.layers.0.self_attn.o_proj.weight"][
+            :, rank * hq * d:(rank + 1) * hq * d])
+        n = inter // tp
+        gate, up = shard["model.layers.1.mlp.gate_up_proj.weight"].split([n, n])
+        gate_full, up_full = full["model.layers.1.mlp.gate_up_proj.weight"].split([inter, inter])
+        assert torch.equal(gate, gate_full[rank * n:(rank + 1) * n])
+        assert torch.equal(up, up_full[rank * n:(rank + 1) * n])
+        assert torch.equal(shard["model.layers.1.mlp.down_proj.weight"],
+                           full["model.layers.1.mlp.down_proj.weight"][:, rank * n:(rank + 1) * n])
+        rows = c.vocab_size // tp
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(shard[name], full[name][rank * rows:(rank + 1) * rows])
+        assert torch.equal(shard["model.norm.weight"], full["model.norm.weight"])  # replicated
+
+
 def _workers(llm: LLM):
     return llm.llm_engine.engine_core.engine_core.model_executor.workers
 
