@@ -128,6 +128,32 @@ def test_llm_tensor_parallel_matches_size_1(peaked_models, family, tp):
     assert not any(w.is_alive() for w in workers)  # no process left behind
 
 
+@pytest.mark.slow
+def test_torchrun_ranks_match_size_1(peaked_models):
+    """One process per rank started by torchrun, as across machines: rank 0 runs the engine and
+    broadcasts each step through torch.distributed; the output is size 1's."""
+    import socket
+    import subprocess
+    import sys
+
+    path = peaked_models["qwen3"]
+    llm = LLM(path, show_progress=False, **ENGINE)
+    params = SamplingParams(max_tokens=16, temperature=0.0)  # what `minivllm generate` asks
+    expected = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    assert len(expected) > 16  # 16 tokens of text, no early end
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "minivllm.entrypoints.cli", "generate", "--model", path, "-tp", "2",
+           "--distributed-executor-backend", "external_launcher", "--max-model-len", "128",
+           "--num-kv-blocks", "64", "--max-tokens", "16", PROMPTS[0]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f">>> {PROMPTS[0]}\n{expected}\n" in out.stdout
+
+
 # -- through `minivllm serve` -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
