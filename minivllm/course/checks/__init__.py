@@ -7,6 +7,10 @@ what came back when it does not.
 """
 
 from minivllm.course.checks.common import CheckFailed
+from minivllm.course.checks.kernels import (
+    check_fused_add_rms_norm, check_online_softmax, check_online_softmax_kernel, check_paged_decode,
+    check_split_decode,
+)
 from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
 from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
 from minivllm.course.checks.prefix import check_block_hashes, check_block_pool
@@ -25,4 +29,9 @@ __all__ = [
     "check_unified_scheduler",
     "check_block_hashes",
     "check_block_pool",
+    "check_fused_add_rms_norm",
+    "check_online_softmax",
+    "check_online_softmax_kernel",
+    "check_paged_decode",
+    "check_split_decode",
 ]
