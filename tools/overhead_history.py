@@ -67,7 +67,7 @@ def main() -> int:
               "trees": {}}
     for label, tree in (("old", a.old), ("new", a.new)):
         result["trees"][label] = {"commit": commit_of(tree), "runs": []}
-    tmp = a.json + ".part"
+    tmp = os.path.abspath(a.json) + ".part"
     for _ in range(a.rounds):
         for label, tree in (("old", a.old), ("new", a.new)):
             r = run_once(tree, bench_args, tmp)
