@@ -7,7 +7,9 @@ what came back when it does not.
 """
 
 from minivllm.course.checks.common import CheckFailed
-from minivllm.course.checks.hotpath import check_capture_sizes, check_persistent_batch
+from minivllm.course.checks.hotpath import (
+    check_capture_sizes, check_graph_runner, check_persistent_batch,
+)
 from minivllm.course.checks.kernels import (
     check_fused_add_rms_norm, check_online_softmax, check_online_softmax_kernel, check_paged_decode,
     check_split_decode,
@@ -36,5 +38,6 @@ __all__ = [
     "check_paged_decode",
     "check_split_decode",
     "check_persistent_batch",
+    "check_graph_runner",
     "check_capture_sizes",
 ]

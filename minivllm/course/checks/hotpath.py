@@ -256,3 +256,159 @@ def check_capture_sizes(choose_capture_sizes, exercise: str = "10.3", seed: int 
                 cases += 1
     passed(exercise, f"your capture sizes reach the least expected padding on {cases} random "
                      "batch-size distributions.")
+
+
+# -- Exercise 10.2: copy, pad, replay ------------------------------------------------------------
+
+GRAPH_CONVENTION = (
+    "Expected: run(input_ids, positions, meta) for n decodes picks the smallest captured size >= "
+    "n, copies the step's input_ids, positions, slot_mapping, seq_lens and block_tables into rows "
+    "0..n-1 of the static buffers, makes rows n..size-1 padding (slot -1, seq_len 1, token 0, "
+    "position 0, query_start_loc[i] = i), calls self.replay(size) and returns the first n rows of "
+    "what it returns.")
+
+
+class _Recorder:
+    """What the learner's runner handed to replay(): a copy of the static buffers."""
+
+    def __init__(self, buffers: dict) -> None:
+        self.buffers = buffers
+        self.calls: list[tuple[int, dict]] = []
+
+    def __call__(self, size: int):
+        import torch
+
+        self.calls.append((size, {k: v.clone() for k, v in self.buffers.items()}))
+        # the "graph's output": one row per padded row, identifying what row it was fed
+        return (self.buffers["input_ids"][:size].to(torch.float32)[:, None]
+                + 0.5 * self.buffers["positions"][:size].to(torch.float32)[:, None])
+
+
+def _static_buffers(max_size: int, max_blocks: int) -> dict:
+    import torch
+
+    return {"input_ids": torch.full((max_size,), 99, dtype=torch.int32),
+            "positions": torch.full((max_size,), 99, dtype=torch.int64),
+            "slot_mapping": torch.full((max_size,), 99, dtype=torch.int64),
+            "seq_lens": torch.full((max_size,), 99, dtype=torch.int32),
+            "query_start_loc": torch.full((max_size + 1,), 99, dtype=torch.int32),
+            "block_tables": torch.full((max_size, max_blocks), 99, dtype=torch.int32)}
+
+
+def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) -> None:
+    """``graph_runner_cls(replay, sizes, buffers)`` with ``run(input_ids, positions, meta)``:
+    first against a recording replay (what lands in the static buffers), then inside the engine
+    on a tiny Llama (Triton attention in the interpreter), padded against unpadded."""
+    import torch
+
+    from minivllm.attention.backend import AttentionMetadata
+
+    rng = np.random.default_rng(seed)
+    sizes = [1, 2, 4, 8, 16]
+    cases = 0
+    for n in (1, 2, 3, 5, 8, 9, 16):
+        buffers = _static_buffers(16, 6)
+        replay = _Recorder(buffers)
+        runner = graph_runner_cls(replay, list(sizes), buffers)
+        ids = torch.as_tensor(rng.integers(1, 50, n), dtype=torch.int32)
+        pos = torch.as_tensor(rng.integers(3, 40, n), dtype=torch.int64)
+        meta = AttentionMetadata(
+            num_actual_tokens=n, num_decodes=n, max_query_len=1, max_seq_len=40,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=(pos + 1).to(torch.int32),
+            block_tables=torch.as_tensor(rng.integers(0, 30, (n, 6)), dtype=torch.int32),
+            slot_mapping=torch.as_tensor(rng.integers(0, 200, n), dtype=torch.int64))
+        out = runner.run(ids.clone(), pos.clone(), meta)
+        size = next(s for s in sizes if s >= n)
+        what = f"{n} decodes (captured sizes {sizes})"
+        if len(replay.calls) != 1:
+            fail(exercise, f"{what}: replay was called {len(replay.calls)} times, expected once. "
+                           f"{GRAPH_CONVENTION}")
+        got_size, seen = replay.calls[0]
+        if got_size != size:
+            fail(exercise, f"{what}: replayed size {got_size}, expected {size}. {GRAPH_CONVENTION}")
+        want = {"input_ids": (ids, 0), "positions": (pos, 0), "slot_mapping": (meta.slot_mapping, -1),
+                "seq_lens": (meta.seq_lens, 1)}
+        for name, (real, pad) in want.items():
+            have = seen[name][:size]
+            expect = torch.cat([real.to(have.dtype), torch.full((size - n,), pad, dtype=have.dtype)])
+            if not torch.equal(have, expect):
+                fail(exercise, f"{what}: the static {name} buffer held {have.tolist()} at replay, "
+                               f"expected {expect.tolist()}. {GRAPH_CONVENTION}")
+        if not torch.equal(seen["block_tables"][:n], meta.block_tables):
+            fail(exercise, f"{what}: the static block_tables buffer does not hold the step's block "
+                           f"tables in rows 0..{n - 1}. {GRAPH_CONVENTION}")
+        qsl = seen["query_start_loc"][: size + 1]
+        if not torch.equal(qsl, torch.arange(size + 1, dtype=qsl.dtype)):
+            fail(exercise, f"{what}: query_start_loc held {qsl.tolist()} at replay, expected "
+                           f"0..{size}: every row, real or padding, is one token. {GRAPH_CONVENTION}")
+        expect_out = ids.to(torch.float32)[:, None] + 0.5 * pos.to(torch.float32)[:, None]
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, 1) or not torch.equal(
+                out, expect_out):
+            fail(exercise, f"{what}: run returned {getattr(out, 'shape', type(out).__name__)}, "
+                           f"expected the first {n} rows of what replay returned. {GRAPH_CONVENTION}")
+        cases += 1
+    steps = _graph_runner_in_engine(exercise, graph_runner_cls)
+    passed(exercise, f"your runner filled and padded the static buffers right on {cases} batch "
+                     f"sizes, and the tiny Llama, its {steps} decode steps run padded through your "
+                     "runner, generates the tokens of the unpadded eager run.")
+
+
+def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> None:
+    from minivllm import LLM
+    from minivllm.course.checks.kernels import ENGINE, _greedy, _reference_tokens, tiny_engine
+    from minivllm.course.views import engine_core
+
+    # the unpadded eager run: the same engine settings, plain-torch attention, no padding
+    eager = [list(t) for t in _reference_tokens()]
+    llm = LLM(tiny_engine().llm_engine.config.model_path,
+              **{**ENGINE, "attention_backend": "triton"})
+    runner = engine_core(llm).model_runner
+    runner.capture_model(capture=False)  # the package's padded path, replaced below
+    graphs = runner.cuda_graphs
+    buffers = {"input_ids": graphs.input_ids, "positions": graphs.positions,
+               "slot_mapping": graphs.slot_mapping, "seq_lens": graphs.seq_lens,
+               "query_start_loc": graphs.query_start_loc, "block_tables": graphs.block_tables}
+    scratch = {k: v.clone() for k, v in buffers.items()}  # the learner's static buffers
+
+    def replay(size):
+        return graphs.model(scratch["input_ids"][:size], scratch["positions"][:size],
+                            _metadata(scratch, size, graphs.max_model_len))
+
+    learner = graph_runner_cls(replay, list(graphs.sizes), scratch)
+    padded_steps = []
+
+    class Adapter:
+        sizes = graphs.sizes
+
+        def can_run(self, meta):
+            return graphs.can_run(meta)
+
+        def run(self, input_ids, positions, meta):  # fresh tensors: the learner must copy
+            import dataclasses
+
+            meta = dataclasses.replace(meta, **{k: getattr(meta, k).clone() for k in (
+                "query_start_loc", "seq_lens", "block_tables", "slot_mapping")})
+            padded_steps.append(meta.num_seqs)
+            with _hidden(exercise, [("minivllm.worker.cuda_graphs", "DecodeCudaGraphs")]):
+                return learner.run(input_ids.clone(), positions.clone(), meta)
+
+    runner.cuda_graphs = Adapter()
+    got = _greedy(llm)
+    if not padded_steps:
+        fail(exercise, "no decode step went through your runner (the check itself is broken)")
+    for i, (g, e) in enumerate(zip(got, eager)):
+        if g != e:
+            fail(exercise, f"inside the engine (tiny Llama, decodes padded through your runner), "
+                           f"request {i} generated {g}, the unpadded eager run {e}. "
+                           f"{GRAPH_CONVENTION}")
+    return len(padded_steps)
+
+
+def _metadata(buffers: dict, size: int, max_model_len: int):
+    from minivllm.attention.backend import AttentionMetadata
+
+    return AttentionMetadata(
+        num_actual_tokens=size, num_decodes=size, max_query_len=1, max_seq_len=max_model_len,
+        query_start_loc=buffers["query_start_loc"][: size + 1], seq_lens=buffers["seq_lens"][:size],
+        block_tables=buffers["block_tables"][:size], slot_mapping=buffers["slot_mapping"][:size])
