@@ -8,30 +8,82 @@ that names the field, before any weight is loaded.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import typing
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and the model's config load only when an engine is configured
+    import torch
 
-from minivllm.model.config import ModelConfig
+    from minivllm.model.config import ModelConfig
 
+# dtype names a user may give -> torch.<name>
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
 
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len past what the model's positions cover is
+# refused unless this environment variable is "1" (or "true")
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "MINIVLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
 # compute/bandwidth ridge point: a few hundred tokens on a datacenter GPU, far fewer on a laptop
 # CPU (chapter 05 measures it).
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+
+
+# What each engine argument's command-line flag says (``--name-with-dashes``, vLLM's names), and
+# the values it accepts. The flags themselves are generated from EngineArgs' fields.
+_CLI_HELP: dict[str, tuple[str, tuple | None]] = {
+    "model": ("local Hugging Face folder or hub name (default: the bundled "
+              "SmolLM2-135M-Instruct)", None),
+    "tokenizer": ("tokenizer folder or hub name (default: the model's)", None),
+    "skip_tokenizer_init": ("token ids in, token ids out (no tokenizer is loaded)", None),
+    "revision": ("the hub revision (branch, tag or commit) of the model", None),
+    "dtype": ("weights and activations (auto: float32 on a CPU, the checkpoint's half type on "
+              "a GPU)", ("auto", *_DTYPES)),
+    "device": ("auto | cpu | cuda | cuda:N", None),
+    "seed": ("the engine's random seed", None),
+    "block_size": ("tokens per KV cache block", None),
+    "num_kv_blocks": ("KV cache blocks (default: from --kv-cache-memory-bytes or "
+                      "--gpu-memory-utilization)", None),
+    "kv_cache_memory_bytes": ("bytes for the KV cache (CPU default: 1 GiB)", None),
+    "gpu_memory_utilization": ("fraction of the GPU's memory the engine may use, "
+                               "weights and KV cache together", None),
+    "enable_prefix_caching": ("reuse the KV blocks of prompts' shared prefixes", None),
+    "prefix_caching_hash_algo": ("how blocks are hashed for the prefix cache", HASH_ALGOS),
+    "scheduler": ("v1: one token budget for prefills and decodes; v0: phase-separated",
+                  SCHEDULERS),
+    "max_num_seqs": ("most requests running at once", None),
+    "max_num_batched_tokens": ("token budget per step (default: 512 on a CPU, 8192 on a GPU)",
+                               None),
+    "max_model_len": ("longest prompt + output (default: the model's context length)", None),
+    "enable_chunked_prefill": ("cut long prompts into chunks that share steps with decodes",
+                               None),
+    "long_prefill_token_threshold": ("most tokens one prompt may take in a step (0: no limit)",
+                                     None),
+    "attention_backend": ("default: triton on CUDA, torch elsewhere", ATTENTION_BACKENDS),
+    "enforce_eager": ("no CUDA graphs", None),
+    "compile": ("torch.compile the model's elementwise parts", None),
+    "custom_ops": ("fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
+                   "Triton attention backend, unless --compile)", CUSTOM_OPS),
+    "multiprocess": ("run the engine core in its own process", None),
+    "trace_steps": ("keep what the last N engine steps scheduled, for get_step_trace() "
+                    "(0: off)", None),
+}
 
 
 @dataclass
@@ -83,8 +135,45 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    @classmethod
+    def cli_fields(cls) -> list[dataclasses.Field]:
+        """The fields a command line can set: all but the injectable classes (``*_cls``)."""
+        return [f for f in dataclasses.fields(cls) if not f.name.endswith("_cls")]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     defaults: dict | None = None) -> argparse.ArgumentParser:
+        """Add one flag per engine argument (``--max-num-seqs`` for ``max_num_seqs``).
+
+        The flags are generated from the fields, so a new field gets its flag; ``defaults``
+        overrides a field's default for one command (``minivllm serve`` runs multi-process).
+        """
+        hints = typing.get_type_hints(cls)
+        defaults = defaults or {}
+        group = parser.add_argument_group("engine arguments (vLLM's names)")
+        for f in cls.cli_fields():
+            help_text, choices = _CLI_HELP.get(f.name, ("", None))
+            default = defaults.get(f.name, f.default)
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=help_text)
+                continue
+            base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            group.add_argument(flag, type=base, default=default, choices=choices,
+                               help=help_text if default is None else f"{help_text} (default: {default})")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The EngineArgs a parsed command line asks for (flags not on it keep their default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in cls.cli_fields()
+                      if hasattr(args, f.name)})
+
     def create_config(self) -> "EngineConfig":
         self._check_types()
+        from minivllm.model.config import ModelConfig
         from minivllm.model_hub import resolve_model
 
         model_path = resolve_model(self.model, revision=self.revision)
@@ -93,9 +182,7 @@ class EngineArgs:
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
 
-        max_model_len = self.max_model_len or model_config.max_position_embeddings
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        max_model_len, model_config = _resolve_max_model_len(self.max_model_len, model_config)
 
         chunked = self.enable_chunked_prefill and self.scheduler == "v1"
         budget = self.max_num_batched_tokens
@@ -111,7 +198,13 @@ class EngineArgs:
                 "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
 
-        backend, use_custom_ops = self._resolve_kernels(device)
+        backend, use_custom_ops = self._resolve_kernels(device, model_config.sliding_window)
+        if backend == "triton" and model_config.sliding_window is not None:
+            raise ValueError(
+                f"attention_backend='triton' does not implement sliding-window attention, which "
+                f"this model uses (sliding_window={model_config.sliding_window} in "
+                f"{len(model_config.sliding_window_layers)} of its "
+                f"{model_config.num_hidden_layers} layers): use attention_backend='torch'")
 
         return EngineConfig(
             model_path=model_path,
@@ -145,11 +238,13 @@ class EngineArgs:
             use_custom_ops=use_custom_ops,
         )
 
-    def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
+    def _resolve_kernels(self, device: torch.device,
+                         sliding_window: int | None = None) -> tuple[str, bool]:
         """The one place that picks the attention backend and the elementwise kernels.
 
-        Default: Triton on CUDA when triton is installed, plain torch elsewhere. Asking for
-        Triton where it cannot run is an error that says what is missing.
+        Default: Triton on CUDA when triton is installed, plain torch elsewhere (and for a
+        sliding-window model, which only the torch backend implements). Asking for Triton where
+        it cannot run is an error that says what is missing.
         """
         from minivllm.kernels import triton_unavailable_reason
 
@@ -161,7 +256,8 @@ class EngineArgs:
             raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
         missing = triton_unavailable_reason(device.type)
         backend = self.attention_backend or (
-            "triton" if device.type == "cuda" and missing is None else "torch")
+            "triton" if device.type == "cuda" and missing is None and sliding_window is None
+            else "torch")
         if backend == "triton" and missing:
             raise ValueError(f"attention_backend='triton' cannot run here: {missing}")
         if self.custom_ops == "all":
@@ -278,7 +374,37 @@ class EngineConfig:
         )
 
 
+def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tuple[int, ModelConfig]:
+    """The context length to serve: the model's own by default; a longer one only on request.
+
+    Past ``max_position_embeddings`` (stretched by rope scaling) the rotary table has no row: the
+    model would read positions it was never trained on. With the override the table is extended
+    to ``max_model_len`` (the rotary formula is defined everywhere) and a warning says that the
+    outputs may be wrong.
+    """
+    derived = model_config.derived_max_model_len
+    if asked is None:
+        return max(derived, 2), model_config
+    if asked < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {asked}")
+    if asked > derived:
+        msg = (f"max_model_len ({asked}) is longer than the model's derived maximum length "
+               f"({derived}: max_position_embeddings in its config.json, with rope scaling)")
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() not in ("1", "true"):
+            raise ValueError(
+                f"{msg}. Positions past it were never trained and may give wrong outputs. "
+                f"To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1"
+            )
+        warnings.warn(f"{msg}; allowed by {ALLOW_LONG_MAX_MODEL_LEN_ENV}: outputs past "
+                      f"{derived} tokens may be wrong", stacklevel=3)
+        if asked > model_config.max_position_embeddings:  # the rotary table must reach it
+            model_config = dataclasses.replace(model_config, max_position_embeddings=asked)
+    return asked, model_config
+
+
 def _resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -288,8 +414,10 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    import torch
+
     if dtype != "auto":
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     if device.type != "cuda":
         return torch.float32  # CPUs run fp32 fastest and exactly
     # on a GPU, keep the checkpoint's half type; float32 checkpoints serve in bfloat16

@@ -18,8 +18,8 @@ import itertools
 import threading
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.core import EngineCore
 from minivllm.engine.core_proc import EngineCoreProc, configure_cpu_threads
 from minivllm.engine.exceptions import EngineDeadError

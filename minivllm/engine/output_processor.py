@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from minivllm.sampling_params import SamplingParams
 

@@ -29,8 +29,9 @@ class Attention(nn.Module):
     ``kv_cache`` and ``backend`` are bound by the model runner once the cache is allocated.
     """
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
+        self.sliding_window = config.layer_sliding_window(layer_idx)  # None: full attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -61,7 +62,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        if self.sliding_window is None:
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
+                                       sliding_window=self.sliding_window)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -81,9 +86,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), with the residual carried apart."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -112,7 +117,7 @@ class DecoderModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -35,6 +35,7 @@ from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
 from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
+from minivllm.utils import cdiv
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 _GREEDY_EPS = 1e-5
@@ -113,7 +114,7 @@ class ModelRunner:
         else:
             budget = CPU_KV_CACHE_BYTES
         # never more blocks than max_num_seqs full-length sequences could use
-        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        cap = self.config.max_num_seqs * cdiv(self.config.max_model_len, self.block_size)
         return max(1, min(budget // per_block, cap))
 
     def _profile_cuda_free_memory(self) -> int:
@@ -132,7 +133,7 @@ class ModelRunner:
         """A forward over ``max_num_batched_tokens`` tokens with a throwaway KV cache."""
         c = self.config.model_config
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        num_blocks = -(-n // self.block_size)
+        num_blocks = cdiv(n, self.block_size)
         dummy = torch.zeros(2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
                             dtype=self.config.dtype, device=self.device)
         for layer in self.model.attention_layers():
