@@ -33,6 +33,7 @@ SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len past what the model's positions cover is
 # refused unless this environment variable is "1" (or "true")
@@ -83,7 +84,18 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
     "multiprocess": ("run the engine core in its own process", None),
     "trace_steps": ("keep what the last N engine steps scheduled, for get_step_trace() "
                     "(0: off)", None),
+    "tensor_parallel_size": ("split the model across this many ranks (torch.distributed: gloo "
+                             "on CPU, nccl on GPU)", None),
+    "distributed_executor_backend": (
+        "mp: one worker process per rank; uni: the runner in the engine core's process (size 1 "
+        "only); external_launcher: every rank started by torchrun runs this same command, rank "
+        "0 runs the engine. Default: uni at size 1, mp above", EXECUTOR_BACKENDS),
 }
+_CLI_HELP["model_runner_cls"] = (
+    "another model runner as MODULE:CLASS, e.g. minivllm.sim.paced_runner:PacedModelRunner (no "
+    "model: each step sleeps its simulated H100 time; for load tests)", None)
+# short spellings vLLM also accepts
+_CLI_ALIASES = {"tensor_parallel_size": ("-tp",)}
 
 
 @dataclass
@@ -121,6 +133,13 @@ class EngineArgs:
     # (with compile=True, torch.compile fuses the plain-torch ops instead)
     custom_ops: str = "auto"
     multiprocess: bool = False
+    # tensor parallelism: the model's heads, MLP features and vocabulary split across this many
+    # ranks (torch.distributed: gloo on CPU, nccl on GPU)
+    tensor_parallel_size: int = 1
+    # "uni": the model runner in the engine core's process (size 1); "mp": one worker process
+    # per rank, spawned by the engine core; "external_launcher": the ranks were started by
+    # torchrun (rank 0 runs the engine). None: "uni" at size 1, "mp" above.
+    distributed_executor_backend: str | None = None
     # how many recent steps get_step_trace() keeps (what each step scheduled, its duration);
     # 0 turns the trace off. On for LLM and the course; `minivllm serve` defaults to 0, so a
     # server's memory does not grow with its uptime.
@@ -130,6 +149,10 @@ class EngineArgs:
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None  # the front end's incremental detokenizer
+    # the model runner: None for the real one; a class or "module:Class" (e.g. the simulator's
+    # paced runner, "minivllm.sim.paced_runner:PacedModelRunner", which runs no model)
+    model_runner_cls: type | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -137,8 +160,11 @@ class EngineArgs:
 
     @classmethod
     def cli_fields(cls) -> list[dataclasses.Field]:
-        """The fields a command line can set: all but the injectable classes (``*_cls``)."""
-        return [f for f in dataclasses.fields(cls) if not f.name.endswith("_cls")]
+        """The fields a command line can set: all but the injectable classes (``*_cls``) that
+        only Python can pass (a class given as "module:Class" text has its flag)."""
+        hints = typing.get_type_hints(cls)
+        return [f for f in dataclasses.fields(cls)
+                if not f.name.endswith("_cls") or str in typing.get_args(hints[f.name])]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -154,14 +180,14 @@ class EngineArgs:
         for f in cls.cli_fields():
             help_text, choices = _CLI_HELP.get(f.name, ("", None))
             default = defaults.get(f.name, f.default)
-            flag = "--" + f.name.replace("_", "-")
+            flags = ("--" + f.name.replace("_", "-"), *_CLI_ALIASES.get(f.name, ()))
             kind = hints[f.name]
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
                 continue
-            base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
-            group.add_argument(flag, type=base, default=default, choices=choices,
+            base = next(t for t in typing.get_args(kind) or (kind,) if t not in (type(None), type))
+            group.add_argument(*flags, type=base, default=default, choices=choices,
                                help=help_text if default is None else f"{help_text} (default: {default})")
         return parser
 
@@ -206,6 +232,27 @@ class EngineArgs:
                 f"{len(model_config.sliding_window_layers)} of its "
                 f"{model_config.num_hidden_layers} layers): use attention_backend='torch'")
 
+        tp = self.tensor_parallel_size
+        executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if executor == "external_launcher" and int(os.environ.get("WORLD_SIZE", "0")) != tp:
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' needs one process per rank "
+                f"started by torchrun: WORLD_SIZE is {os.environ.get('WORLD_SIZE')!r}, "
+                f"tensor_parallel_size {tp}")
+        if executor == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in the engine core's process; "
+                f"tensor_parallel_size={tp} needs 'mp'")
+        from minivllm.model.parallel_layers import check_tensor_parallel_size
+
+        check_tensor_parallel_size(model_config, tp)
+        if tp > 1 and device.type == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            if n < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {n}")
+
         return EngineConfig(
             model_path=model_path,
             tokenizer_path=self.tokenizer or model_path,
@@ -230,11 +277,15 @@ class EngineArgs:
             use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
             compile=self.compile,
             multiprocess=self.multiprocess,
+            tensor_parallel_size=tp,
+            distributed_executor_backend=executor,
             trace_steps=self.trace_steps,
             scheduler_cls=self.scheduler_cls,
             kv_cache_manager_cls=self.kv_cache_manager_cls,
             block_pool_cls=self.block_pool_cls,
             sampler_cls=self.sampler_cls,
+            detokenizer_cls=self.detokenizer_cls,
+            model_runner_cls=_resolve_class("model_runner_cls", self.model_runner_cls),
             use_custom_ops=use_custom_ops,
         )
 
@@ -291,6 +342,10 @@ class EngineArgs:
         need_int("max_model_len", 2, optional=True)
         need_int("long_prefill_token_threshold", 0)
         need_int("trace_steps", 0)
+        need_int("tensor_parallel_size", 1)
+        if self.distributed_executor_backend not in (None,) + EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -357,11 +412,15 @@ class EngineConfig:
     use_cuda_graph: bool
     compile: bool
     multiprocess: bool
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
     trace_steps: int = 100_000
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None
     sampler_cls: type | None = None
+    detokenizer_cls: type | None = None
+    model_runner_cls: type | None = None
     use_custom_ops: bool = False  # fused Triton elementwise kernels (resolved from custom_ops)
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -400,6 +459,21 @@ def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tupl
         if asked > model_config.max_position_embeddings:  # the rotary table must reach it
             model_config = dataclasses.replace(model_config, max_position_embeddings=asked)
     return asked, model_config
+
+
+def _resolve_class(name: str, value: type | str | None) -> type | None:
+    """A class given as itself or as "package.module:Class" (what a command line can pass)."""
+    if value is None or isinstance(value, type):
+        return value
+    module, sep, attr = str(value).partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{name} must be a class or 'package.module:Class', got {value!r}")
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{name}: cannot import {value!r} ({e})") from None
 
 
 def _resolve_device(device: str) -> torch.device:

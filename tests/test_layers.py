@@ -1,8 +1,9 @@
 """The package's import directions: each layer imports only from the layers below it.
 
     utils, outputs, sampling_params, config, core.sched_output, engine.messages
-      <  kernels  <  attention
-      <  model  <  sample  <  worker  <  core  <  engine  <  entrypoints  <  testing, sim
+      <  kernels, distributed  <  attention
+      <  model  <  sample  <  worker  <  executor  <  core  <  engine  <  entrypoints
+      <  testing, sim
       <  benchmarks  <  course
 
 ``config`` (the engine's arguments and resolved configuration), ``core.sched_output`` (the
@@ -23,11 +24,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     {"utils", "outputs", "sampling_params", "config", "core.sched_output", "engine.messages"},
-    {"kernels"},
+    {"kernels", "distributed"},
     {"attention"},
     {"model", "model_hub"},
     {"sample"},
     {"worker"},
+    {"executor"},
     {"core"},
     {"engine"},
     {"entrypoints"},

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "decode-roofline": "minivllm.benchmarks.decode_roofline",
     "overhead": "minivllm.benchmarks.overhead",
     "soak": "minivllm.benchmarks.soak",
+    "tp": "minivllm.benchmarks.tensor_parallel",
 }
 
 

@@ -68,7 +68,10 @@ def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from minivllm.model.parallel_layers import ParallelLMHead
+
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, ParallelLMHead))]
     dtype, device = weights[0].dtype, weights[0].device
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=device)
               for w in weights}

@@ -2,7 +2,10 @@
 
 ``EngineCore.step()`` is the heartbeat of the whole system:
 
-    scheduler.schedule()  ->  model_runner.execute_model()  ->  scheduler.update_from_output()
+    scheduler.schedule()  ->  model_executor.execute_model()  ->  scheduler.update_from_output()
+
+The executor (``minivllm/executor/``) runs the step on the model: in this process (one rank),
+or on one worker process per tensor-parallel rank, to which it broadcasts the scheduler output.
 
 It knows nothing of text, HTTP or asyncio, which is what lets it run in a process of its own
 (``core_proc.py``) while the front end tokenizes and streams.
@@ -19,15 +22,24 @@ from minivllm.core.request import Request
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.core.scheduler import Scheduler
 from minivllm.engine.messages import EngineCoreOutput
+from minivllm.executor import Executor
 from minivllm.utils import cdiv
-from minivllm.worker.model_runner import ModelRunner
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, show_progress=show_progress)
-        num_blocks = self.model_runner.determine_num_blocks()
+        self.model_executor = Executor.get_class(config)(config, show_progress=show_progress)
+        # the runner itself, when it lives in this process (single-process executor)
+        self.model_runner = getattr(self.model_executor, "model_runner", None)
+        try:
+            self._init_kv_cache_and_scheduler(config)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+
+    def _init_kv_cache_and_scheduler(self, config: EngineConfig) -> None:
+        num_blocks = self.model_executor.determine_num_blocks()
         needed = cdiv(config.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -35,7 +47,7 @@ class EngineCore:
                 f"{config.block_size} tokens, but the KV cache holds only {num_blocks}: lower "
                 "max_model_len, or raise num_kv_blocks / kv_cache_memory_bytes"
             )
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_executor.initialize_kv_cache(num_blocks)
         self.scheduler: Scheduler = build_scheduler_from_config(config, num_blocks)
         self.num_steps = 0
         self.step_trace: deque[dict] = deque(maxlen=config.trace_steps)
@@ -84,7 +96,7 @@ class EngineCore:
             return []
         # labelled before update_from_output, which forgets the requests that finish
         kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         end = time.time()
         for out in outputs:
@@ -133,3 +145,12 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_broadcast_stats(self) -> dict:
+        """Steps broadcast to the tensor-parallel workers, their bytes and the seconds spent
+        pickling and sending them (empty with the single-process executor)."""
+        get = getattr(self.model_executor, "get_broadcast_stats", None)
+        return get() if get else {}
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -175,6 +175,7 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
         traceback.print_exc()
         code = 1
     finally:
+        engine_core.shutdown()  # stop the tensor-parallel workers, if any
         stop.set()
         output_queue.put(None)  # let the writer flush what is left (an engine_error, say)
         reader.join(timeout=2)

@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """Ranks 1.. of a torchrun launch run no command: they serve rank 0's engine."""
+    import os
+
+    return (getattr(args, "distributed_executor_backend", None) == "external_launcher"
+            and int(os.environ.get("RANK", "0")) > 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -84,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
+        if _is_torchrun_worker(args):
+            from minivllm.config import EngineArgs
+            from minivllm.executor.external_launcher import run_worker_loop
+
+            model = getattr(args, "model_tag", None) or args.model
+            return run_worker_loop(EngineArgs(**{**engine_kwargs(args), "model": model})
+                                   .create_config())
         return args.func(args) or 0
     except ValueError as e:
         print(f"minivllm: error: {e}", file=sys.stderr)

@@ -86,8 +86,10 @@ class LimitRequestBody:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               stat_logger: PrometheusStatLogger | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names)
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, chat_stream=None) -> FastAPI:
+    """``chat_stream``: replaces the function that streams chat completions (see
+    ``serving.chat_completion_stream_generator``)."""
+    serving = OpenAIServing(engine, served_model_names, chat_stream)
     limiter = LimitRequestBody(None, max_request_body_bytes)
 
     @asynccontextmanager
