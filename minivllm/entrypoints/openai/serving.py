@@ -4,7 +4,9 @@ Each handler turns the request into prompts and ``SamplingParams`` (every mistak
 anything reaches the engine), starts one ``AsyncLLM.generate`` per prompt, then either waits
 for the final outputs (one JSON body) or streams server-sent events: one chunk per new piece
 of text, a last chunk with the finish reason, usage when ``stream_options.include_usage`` asks
-for it, and ``data: [DONE]``. A stream asks the engine for DELTA outputs (each carries only the
+for it (and on every chunk with vLLM's ``continuous_usage_stats``), and ``data: [DONE]``. Usage
+counts, as vLLM's does, the prompt tokens served from the prefix cache
+(``prompt_tokens_details.cached_tokens``). A stream asks the engine for DELTA outputs (each carries only the
 new text and tokens, so a chunk costs what it carries); a full response for FINAL_ONLY (one
 output, at the end).
 """
@@ -118,28 +120,40 @@ class OpenAIServing:
         }
 
     async def stream_response(self, chat: bool, request_id: str, model: str, gens: list,
-                              include_usage: bool) -> AsyncIterator[str]:
+                              include_usage: bool,
+                              continuous_usage: bool = False) -> AsyncIterator[str]:
+        """Server-sent events. ``include_usage``: a last chunk without choices carries the usage
+        of the whole request; ``continuous_usage`` (vLLM's ``continuous_usage_stats``): every
+        chunk also carries its choice's usage so far."""
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         num_prompt_tokens = [0] * len(gens)
         num_output_tokens = [0] * len(gens)
+        num_cached_tokens = [0] * len(gens)
 
-        def chunk(choices: list) -> str:
+        def chunk(choices: list, usage: dict | None = None) -> str:
             body = {"id": request_id, "object": obj, "created": created, "model": model,
                     "choices": choices}
             if include_usage:
-                body["usage"] = None
+                body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def usage_of(i: int) -> dict | None:
+            if not continuous_usage:
+                return None
+            return usage_dict(num_prompt_tokens[i], num_output_tokens[i], num_cached_tokens[i])
 
         try:
             if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None} for i in range(len(gens))])
+                for i in range(len(gens)):  # the role chunk: nothing generated yet
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}], usage_of(i))
             async for i, out in merge_async_iterators(gens):
                 c = out.outputs[0]  # a DELTA output: only what is new
                 delta = c.text
                 num_prompt_tokens[i] = len(out.prompt_token_ids)
                 num_output_tokens[i] += len(c.token_ids)
+                num_cached_tokens[i] = out.num_cached_tokens
                 if not delta and not out.finished:
                     continue
                 choice = {"index": i, "logprobs": None,
@@ -150,14 +164,11 @@ class OpenAIServing:
                     choice["delta"] = {"content": delta} if delta else {}
                 else:
                     choice["text"] = delta
-                yield chunk([choice])
+                yield chunk([choice], usage_of(i))
             if include_usage:
-                prompt, completion = sum(num_prompt_tokens), sum(num_output_tokens)
-                body = {"id": request_id, "object": obj, "created": created, "model": model,
-                        "choices": [], "usage": {"prompt_tokens": prompt,
-                                                 "completion_tokens": completion,
-                                                 "total_tokens": prompt + completion}}
-                yield f"data: {json.dumps(body)}\n\n"
+                usage = usage_dict(sum(num_prompt_tokens), sum(num_output_tokens),
+                                   sum(num_cached_tokens))
+                yield chunk([], usage)
         except EngineDeadError as e:
             yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
         yield "data: [DONE]\n\n"
@@ -171,10 +182,17 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    return usage_dict(sum(len(o.prompt_token_ids) for o in finals),
+                      sum(len(o.outputs[0].token_ids) for o in finals),
+                      sum(o.num_cached_tokens for o in finals))
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    the prefix cache served (their K/V were reused, not recomputed), as vLLM reports them."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
