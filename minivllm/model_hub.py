@@ -77,7 +77,7 @@ def convert_gguf_to_hf(gguf_path: str, target: str) -> None:
     from minivllm.progress import progress_bar, ticking
 
     print(f"minivllm: converting the bundled {BUNDLED_NAME} (GGUF) into {target} "
-          "(once; about a minute)", file=sys.stderr, flush=True)
+          "(once)", file=sys.stderr, flush=True)
     held_back = io.StringIO()
     bar = progress_bar(f"Converting {BUNDLED_NAME}", total=3, unit="steps")
     try:
