@@ -20,7 +20,7 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} {unit} [{
 def progress_bar(desc: str, total: int | None = None, unit: str = "tensors",
                  disable: bool = False) -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, bar_format=BAR_FORMAT, file=sys.stderr,
-                disable=disable, dynamic_ncols=True)
+                disable=disable)
 
 
 @contextlib.contextmanager
