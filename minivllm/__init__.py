@@ -1,7 +1,8 @@
 """minivllm: vLLM v1's design, rebuilt step by step in readable Python.
 
-The public names are imported on first use, so ``import minivllm`` (and the ``minivllm``
-command's first line of output) does not wait for torch and transformers to load.
+The public names below resolve on first use (as vLLM's ``__init__`` does), so importing a
+part of the package — ``minivllm.core`` for the scheduler, ``minivllm.sim`` for the simulator —
+does not load torch, the model runner or the server's dependencies.
 """
 
 from __future__ import annotations
@@ -11,26 +12,18 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_PUBLIC = {
-    "EngineArgs": "minivllm.config",
-    "LLMEngine": "minivllm.engine.llm_engine",
+# public name -> the module that defines it
+_LAZY = {
     "LLM": "minivllm.entrypoints.llm",
+    "LLMEngine": "minivllm.engine.llm_engine",
+    "EngineArgs": "minivllm.config",
+    "SamplingParams": "minivllm.sampling_params",
+    "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
     "RequestMetrics": "minivllm.outputs",
-    "RequestOutput": "minivllm.outputs",
-    "SamplingParams": "minivllm.sampling_params",
 }
 
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "EngineArgs",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "RequestMetrics",
-    "__version__",
-]
+__all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from minivllm.config import EngineArgs
@@ -41,12 +34,13 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # next time, a plain attribute
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted({*globals(), *_LAZY})

@@ -238,3 +238,11 @@ def test_conftest_skips_gpu_cells_and_ignores_what_varies_but_compares_the_rest(
     assert "1 failed, 2 passed, 1 skipped" in report, report  # only the changed stdout fails
     assert "FAILED probe.ipynb::Cell 3" in report, report
     assert "requires-gpu" in report, report  # the skip says why
+
+
+def test_readme_course_table_links_every_chapter():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    missing = [os.path.basename(p) for p in CHAPTERS
+               if f"](chapters/{os.path.basename(p)})" not in readme]
+    assert not missing, f"README's course table has no row for {missing}"

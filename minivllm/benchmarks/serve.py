@@ -114,6 +114,27 @@ class RequestResult:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
+    @classmethod
+    def from_timestamps(cls, start: float, chunk_times: list[float], end: float,
+                        output_tokens: int, prompt_len: int = 0,
+                        expected_tokens: int | None = None) -> "RequestResult":
+        """A request's figures from what the client saw: when it sent the request (``start``),
+        when each chunk carrying text arrived, when the stream ended (seconds, one clock), and
+        the completion tokens the usage chunk reported. TTFT: first chunk - start; ITL: the
+        gaps between chunks; latency: end - start; TPOT: (latency - TTFT) / (tokens - 1).
+        It succeeded if text came back and, when ``expected_tokens`` is given, that many tokens."""
+        result = cls(prompt_len=prompt_len, output_tokens=output_tokens)
+        if chunk_times:
+            result.ttft = chunk_times[0] - start
+            result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+        result.latency = end - start
+        result.success = bool(chunk_times) and (expected_tokens is None
+                                                or output_tokens == expected_tokens)
+        if not result.success:
+            result.error = (f"got {output_tokens} tokens, asked for {expected_tokens}"
+                            if chunk_times else "no text came back")
+        return result
+
 
 async def send_request(client, url: str, model: str, req: BenchRequest) -> RequestResult:
     payload = {
@@ -122,7 +143,9 @@ async def send_request(client, url: str, model: str, req: BenchRequest) -> Reque
         "stream_options": {"include_usage": True},
     }
     result = RequestResult(prompt_len=len(req.prompt_token_ids))
-    start = last = time.perf_counter()
+    start = time.perf_counter()
+    chunk_times: list[float] = []
+    output_tokens = 0
     try:
         async with client.stream("POST", url, json=payload) as response:
             if response.status_code != 200:
@@ -139,18 +162,11 @@ async def send_request(client, url: str, model: str, req: BenchRequest) -> Reque
                     result.error = chunk["error"].get("message", "error")
                     return result
                 if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        result.latency = time.perf_counter() - start
-        result.success = result.output_tokens == req.output_len
-        if not result.success:
-            result.error = f"got {result.output_tokens} tokens, asked for {req.output_len}"
+                    chunk_times.append(time.perf_counter())
+        return RequestResult.from_timestamps(start, chunk_times, time.perf_counter(), output_tokens,
+                                             len(req.prompt_token_ids), req.output_len)
     except Exception as e:  # a refused connection, a dropped stream: counted as failed
         result.error = f"{type(e).__name__}: {e}"
     return result
@@ -174,7 +190,10 @@ async def _probe_health(client, url: str, interval: float, latencies: list[float
             pass
 
 
-async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
+async def run_benchmark(args, requests: list[BenchRequest], model: str,
+                        keep_results: bool = False) -> dict:
+    """Send the requests, summarize the figures; ``keep_results``: also return every request's
+    ``RequestResult`` (under "results"), for plots of whole distributions."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -211,7 +230,10 @@ async def run_benchmark(args, requests: list[BenchRequest], model: str) -> dict:
         stop.set()
         if prober is not None:
             await prober
-    return summarize(results, duration, parse_goodput(args.goodput), health)
+    summary = summarize(results, duration, parse_goodput(args.goodput), health)
+    if keep_results:
+        summary["results"] = results
+    return summary
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

@@ -11,6 +11,7 @@ between two marker lines; the BEGIN line says what the learner must do::
 The generated notebook keeps everything else and replaces each marked block by
 ``raise NotImplementedError("Exercise 1.1: ...")`` at the BEGIN line's indentation, so the
 unsolved notebook fails exactly where work is missing (never silently, as ``pass`` would).
+Cells tagged ``solution-only`` (remarks about the solution) are left out.
 Outputs and execution counts are cleared: nbval then runs every cell but compares no output,
 so a solved exercise notebook passes whatever the learner prints.
 
@@ -28,6 +29,7 @@ import nbformat
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION\b(?P<rest>.*)$")
 END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
 LABEL = re.compile(r"^\s*Exercise (?P<n>\d+)\.(?P<m>\d+):\s*(?P<what>\S.*?)\s*$")
+SOLUTION_ONLY = "solution-only"  # a cell tag: the cell stays out of the exercise notebook
 NOTEBOOK_NAME = re.compile(r"^(?P<n>\d\d)_[a-z0-9_]+\.ipynb$")
 
 HEADER = (
@@ -99,6 +101,8 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
     cells = [nbformat.v4.new_markdown_cell(HEADER.format(name=name), id="generated-header")]
     labels: list[str] = []
     for i, cell in enumerate(solution.cells):
+        if SOLUTION_ONLY in cell.get("metadata", {}).get("tags", []):
+            continue  # a remark about the solution: not for the learner's notebook
         if cell.cell_type == "code":
             source, found = strip_solutions(cell.source, where=f"{name}, cell {i}")
             labels += found

@@ -4,6 +4,8 @@ and the KV block map by block state (chapter 06)."""
 
 from __future__ import annotations
 
+from minivllm.utils import cdiv
+
 
 def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: int = 16,
                    title: str | None = None, colors: dict[str, object] | None = None) -> dict:
@@ -25,7 +27,7 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     for rid, blocks in tables.items():
         for i, b in enumerate(blocks):
             owner[b] = (rid, i)
-    rows = -(-num_blocks // columns)
+    rows = cdiv(num_blocks, columns)
     for b in range(num_blocks):
         r, c = divmod(b, columns)
         rid, i = owner.get(b, (None, None))
@@ -184,7 +186,7 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
     place = {b: i + 1 for i, b in enumerate(states["free_order"])}
     blues = plt.get_cmap("Blues")
     num_blocks = len(ref_cnt)
-    rows = -(-num_blocks // columns)
+    rows = cdiv(num_blocks, columns)
     for b in range(num_blocks):
         r, c = divmod(b, columns)
         x, y = c, rows - 1 - r
@@ -215,3 +217,44 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
     ], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     if title:
         ax.set_title(title)
+
+
+def draw_paged_tiles(ax, block_table: list[int], seq_len: int, block_size: int, tile: int,
+                     partition: int, num_blocks: int) -> None:
+    """Chapter 09: how the decode kernel walks one sequence's context. Top: its tokens 0 ..
+    seq_len-1, cut into partitions (one program each) and tiles (one loop iteration each);
+    bottom: the KV cache's blocks, those of the sequence marked with which logical block they
+    hold; a line joins each logical block to its physical block (the block-table lookup)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    colors = plt.get_cmap("tab10")
+    used = -(-seq_len // block_size)
+    width = num_blocks * block_size  # both rows share the x axis: tokens or slots
+    scale = width / max(seq_len, 1)
+    for t0 in range(0, seq_len, tile):
+        t1 = min(seq_len, t0 + tile)
+        part = t0 // partition
+        ax.add_patch(Rectangle((t0 * scale, 2.0), (t1 - t0) * scale, 0.8,
+                               facecolor=colors(part % 10), alpha=0.35 + 0.25 * ((t0 // tile) % 2),
+                               edgecolor="k", linewidth=0.6))
+        ax.text((t0 + t1) / 2 * scale, 2.4, f"tile {t0}..{t1 - 1}", ha="center", va="center",
+                fontsize=7)
+    for p0 in range(0, seq_len, partition):
+        ax.text(p0 * scale, 3.0, f"partition {p0 // partition} (program {p0 // partition})",
+                fontsize=8, color=colors((p0 // partition) % 10), va="bottom")
+    for b in range(num_blocks):
+        mine = b in block_table[:used]
+        ax.add_patch(Rectangle((b * block_size, 0.0), block_size, 0.8, edgecolor="0.5",
+                               facecolor="0.85" if mine else "white"))
+        if mine:
+            logical = block_table.index(b)
+            ax.text((b + 0.5) * block_size, 0.4, f"{logical}", ha="center", va="center", fontsize=7)
+    for logical, b in enumerate(block_table[:used]):
+        mid = (logical * block_size + min(seq_len, (logical + 1) * block_size)) / 2 * scale
+        ax.plot([mid, (b + 0.5) * block_size], [2.0, 0.8], color="0.45", linewidth=0.6)
+    ax.set_xlim(0, width)
+    ax.set_ylim(-0.2, 3.5)
+    ax.set_yticks([0.4, 2.4])
+    ax.set_yticklabels(["KV cache blocks\n(number: logical block)", f"the sequence's\n{seq_len} tokens"])
+    ax.set_xticks([])

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import AsyncGenerator
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.core_client import make_async_client
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.output_processor import OutputProcessor
@@ -80,7 +80,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
         self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.detokenizer_cls)
         self.engine_core = make_async_client(config, show_progress=show_progress)
         self.stat_loggers = list(stat_loggers or [])
         self.scheduler_stats: dict | None = None  # the core's latest counters

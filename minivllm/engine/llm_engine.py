@@ -24,7 +24,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
         self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.detokenizer_cls)
         self.engine_core = make_client(config, show_progress=show_progress)
 
     @classmethod

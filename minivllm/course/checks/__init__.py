@@ -7,11 +7,21 @@ what came back when it does not.
 """
 
 from minivllm.course.checks.common import CheckFailed
+from minivllm.course.checks.detokenizer import check_detokenizer
+from minivllm.course.checks.engine_core import check_busy_loop
+from minivllm.course.checks.hotpath import (
+    check_capture_sizes, check_graph_runner, check_persistent_batch,
+)
+from minivllm.course.checks.kernels import (
+    check_fused_add_rms_norm, check_online_softmax, check_online_softmax_kernel, check_paged_decode,
+    check_split_decode,
+)
 from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
 from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
 from minivllm.course.checks.prefix import check_block_hashes, check_block_pool
 from minivllm.course.checks.sampler import check_sampler
 from minivllm.course.checks.scheduler import check_phase_separated_scheduler, check_unified_scheduler
+from minivllm.course.checks.serving import check_benchmark_metrics, check_chat_stream
 
 __all__ = [
     "CheckFailed",
@@ -25,4 +35,16 @@ __all__ = [
     "check_unified_scheduler",
     "check_block_hashes",
     "check_block_pool",
+    "check_busy_loop",
+    "check_detokenizer",
+    "check_chat_stream",
+    "check_benchmark_metrics",
+    "check_fused_add_rms_norm",
+    "check_online_softmax",
+    "check_online_softmax_kernel",
+    "check_paged_decode",
+    "check_split_decode",
+    "check_persistent_batch",
+    "check_graph_runner",
+    "check_capture_sizes",
 ]

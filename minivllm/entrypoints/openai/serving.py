@@ -36,11 +36,62 @@ def engine_dead_error(e: EngineDeadError) -> RequestError:
                         code="engine_dead")
 
 
+async def chat_completion_stream_generator(
+    request_id: str, model: str, outputs: AsyncIterator[RequestOutput], include_usage: bool,
+    continuous_usage: bool = False,
+) -> AsyncIterator[str]:
+    """One chat completion's server-sent events, from the engine's DELTA outputs.
+
+    A first chunk with the role, one chunk per new piece of text (``delta.content``), the
+    finish reason on the last one, then (``include_usage``) a chunk with no choices and the
+    token counts, and ``data: [DONE]``. Every chunk carries the same id, ``created`` and model;
+    with ``include_usage``, every chunk but the usage one says ``"usage": null``, unless
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``) puts the usage so far on each.
+    """
+    created = int(time.time())
+
+    def event(choices: list, usage: dict | None = None) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    num_prompt_tokens = num_output_tokens = num_cached_tokens = 0
+
+    def so_far() -> dict | None:
+        if not continuous_usage:
+            return None
+        return usage_dict(num_prompt_tokens, num_output_tokens, num_cached_tokens)
+
+    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}], so_far())
+    async for out in outputs:
+        c = out.outputs[0]  # a DELTA output: only what is new
+        num_prompt_tokens = len(out.prompt_token_ids)
+        num_output_tokens += len(c.token_ids)
+        num_cached_tokens = out.num_cached_tokens
+        if not c.text and not out.finished:
+            continue
+        choice = {"index": 0, "delta": {"content": c.text} if c.text else {}, "logprobs": None,
+                  "finish_reason": c.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = c.stop_reason
+        yield event([choice], so_far())
+    if include_usage:
+        yield event([], usage_dict(num_prompt_tokens, num_output_tokens, num_cached_tokens))
+    yield "data: [DONE]\n\n"
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 chat_stream=None) -> None:
+        """``chat_stream``: the function that writes a chat completion's server-sent events
+        (default ``chat_completion_stream_generator``; the course plugs the learner's in)."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len = engine.config.max_model_len
+        self.chat_stream = chat_stream or chat_completion_stream_generator
 
     # -- turning a request into engine inputs ----------------------------------------------
     def check_model(self, request: SamplingRequest) -> str:
@@ -122,11 +173,22 @@ class OpenAIServing:
     async def stream_response(self, chat: bool, request_id: str, model: str, gens: list,
                               include_usage: bool,
                               continuous_usage: bool = False) -> AsyncIterator[str]:
-        """Server-sent events. ``include_usage``: a last chunk without choices carries the usage
-        of the whole request; ``continuous_usage`` (vLLM's ``continuous_usage_stats``): every
-        chunk also carries its choice's usage so far."""
+        """``include_usage``: a last chunk without choices carries the usage of the whole
+        request; ``continuous_usage`` (vLLM's ``continuous_usage_stats``): every chunk also
+        carries its choice's usage so far."""
+        if chat:  # one prompt, one generator
+            # the course's replacement stream functions take the four arguments only
+            extra = {"continuous_usage": True} if continuous_usage else {}
+            try:
+                async for event in self.chat_stream(request_id, model, gens[0], include_usage,
+                                                    **extra):
+                    yield event
+            except EngineDeadError as e:
+                yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
+                yield "data: [DONE]\n\n"
+            return
         created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        obj = "text_completion"
         num_prompt_tokens = [0] * len(gens)
         num_output_tokens = [0] * len(gens)
         num_cached_tokens = [0] * len(gens)
@@ -144,10 +206,6 @@ class OpenAIServing:
             return usage_dict(num_prompt_tokens[i], num_output_tokens[i], num_cached_tokens[i])
 
         try:
-            if chat:
-                for i in range(len(gens)):  # the role chunk: nothing generated yet
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}], usage_of(i))
             async for i, out in merge_async_iterators(gens):
                 c = out.outputs[0]  # a DELTA output: only what is new
                 delta = c.text
@@ -160,15 +218,11 @@ class OpenAIServing:
                           "finish_reason": c.finish_reason if out.finished else None}
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
-                if chat:
-                    choice["delta"] = {"content": delta} if delta else {}
-                else:
-                    choice["text"] = delta
+                choice["text"] = delta
                 yield chunk([choice], usage_of(i))
             if include_usage:
-                usage = usage_dict(sum(num_prompt_tokens), sum(num_output_tokens),
-                                   sum(num_cached_tokens))
-                yield chunk([], usage)
+                yield chunk([], usage_dict(sum(num_prompt_tokens), sum(num_output_tokens),
+                                           sum(num_cached_tokens)))
         except EngineDeadError as e:
             yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
         yield "data: [DONE]\n\n"

@@ -1,0 +1,462 @@
+"""Checkers for chapter 09 (Triton kernels): fused add + RMSNorm, the online-softmax update,
+the block-table tile load, the split-K reduction.
+
+Each learner kernel is reached through a small Python function the exercise notebook gives
+(its launcher), so a checker only calls tensors in, tensors out. Cases are tiny (the kernels
+run in Triton's interpreter on a CPU) but awkward: rows whose width is not a power of two,
+contexts that end inside a block and inside a tile, block tables in random order and longer
+than needed, more partitions than a short sequence fills. Then the learner's kernel replaces
+the package's inside the engine, on a tiny random-weight Llama (two layers, 4 query heads over
+2 KV heads), and the greedy tokens must be the reference engine's, token for token.
+
+While a checker runs, the package's own kernels for the exercise raise instead of computing
+(``package_kernels_hidden``): a launcher that hands the work to ``minivllm.kernels`` fails,
+saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import random
+import tempfile
+from contextlib import contextmanager
+
+import torch
+
+from minivllm.attention.backend import AttentionBackend
+from minivllm.attention.torch_backend import (
+    paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
+)
+from minivllm.course.checks.common import CheckFailed, compare_tensors, fail, passed
+from minivllm.model.layers import rms_norm as reference_rms_norm
+
+# -- the package's kernels, out of reach while a learner's runs ----------------------------------
+
+HIDDEN = {  # exercise -> (module, attribute) of minivllm's own version
+    "9.1": [("minivllm.kernels.rms_norm", "rms_norm")],
+    "9.2": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
+    "9.3": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
+    "9.4": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
+}
+
+
+@contextmanager
+def package_kernels_hidden(exercise: str):
+    """The package's kernels for ``exercise`` raise CheckFailed while the block runs."""
+    saved = []
+    for module_name, attr in HIDDEN.get(exercise, []):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # no triton: nothing to hide
+            continue
+
+        def refuse(*args, _name=f"{module_name}.{attr}", **kwargs):
+            fail(exercise, f"your code called {_name}, the package's own kernel: the exercise asks "
+                           "you to write it (the grader hides minivllm's version)")
+
+        saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, refuse)
+    try:
+        yield
+    finally:
+        for module, attr, original in saved:
+            setattr(module, attr, original)
+
+
+def _call(exercise: str, fn, *args, **kwargs):
+    """Run the learner's launcher with the package's kernels hidden. Triton's interpreter wraps
+    an exception raised inside a kernel in an InterpreterError; an unsolved exercise's
+    NotImplementedError (or a checker's CheckFailed) comes out as itself."""
+    with package_kernels_hidden(exercise):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            cause = e
+            while type(cause).__name__ == "InterpreterError" and cause.__cause__ is not None:
+                cause = cause.__cause__  # a jit function inside a kernel: wrapped twice
+            if cause is not e and isinstance(cause, (NotImplementedError, CheckFailed)):
+                raise cause from None
+            raise
+
+
+# -- the tiny model the kernels are plugged into -------------------------------------------------
+
+ENGINE = dict(skip_tokenizer_init=True, block_size=8, num_kv_blocks=64, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=32, attention_backend="torch",
+              custom_ops="none", show_progress=False)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_engine():
+    """An engine on a tiny random-weight Llama (GQA: 4 query heads over 2 KV heads, head_dim
+    16), small blocks and a small token budget: chunked prefills, decodes beside them."""
+    from minivllm import LLM
+    from minivllm.testing import make_checkpoint
+
+    from transformers.utils import logging as hf_logging
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="minivllm-course-"), "tiny-llama")
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the notebook
+    try:
+        make_checkpoint(folder, "llama", seed=0)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    return LLM(folder, **ENGINE)
+
+
+def _prompts(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 30000) for _ in range(12)]  # two prompts share a block and a half
+    return [{"prompt_token_ids": shared + [rng.randrange(3, 30000) for _ in range(n)]}
+            for n in (9, 1)] + [{"prompt_token_ids": [rng.randrange(3, 30000) for _ in range(n)]}
+                                for n in (30, 5)]
+
+
+def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:
+    from minivllm import SamplingParams
+
+    llm.llm_engine.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    llm.llm_engine.reset_prefix_cache()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_runner
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_tokens() -> tuple:
+    return tuple(tuple(t) for t in _greedy(tiny_engine()))
+
+
+def _compare_in_engine(exercise: str, what: str, got: list[list[int]]) -> None:
+    expected = _reference_tokens()
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if tuple(g) != tuple(e):
+            first = next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
+            fail(exercise, f"with your {what} inside the engine (tiny Llama, greedy), request {i}'s "
+                           f"output goes wrong at token {first}: expected {list(e)}, got {list(g)}")
+
+
+class DecodeKernelBackend(AttentionBackend):
+    """The reference torch attention, except that the decodes of each step are computed by
+    ``decode(q, kv_cache, block_tables, seq_lens, scale)`` — a learner's kernel, in a checker."""
+
+    name = "decode-kernel"
+
+    def __init__(self, decode, exercise: str) -> None:
+        self.decode, self.exercise = decode, exercise
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        nd = metadata.num_decodes
+        if nd:
+            got = _call(self.exercise, self.decode, q[:nd].contiguous(), kv_cache,
+                        metadata.block_tables[:nd].contiguous(), metadata.seq_lens[:nd].contiguous(),
+                        scale)
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(q[:nd].shape):
+                fail(self.exercise, f"inside the engine, decode attention of {nd} sequences returned "
+                                    f"{getattr(got, 'shape', type(got).__name__)}, expected a tensor "
+                                    f"of shape {tuple(q[:nd].shape)}")
+            out[:nd] = got
+        if metadata.num_prefills:
+            qsl = metadata.query_start_loc_cpu
+            base, end = int(qsl[nd]), metadata.num_actual_tokens
+            out[base:end] = paged_prefill_attention(
+                q[base:end], kv_cache, [int(s) - base for s in qsl[nd:]],
+                [int(s) for s in metadata.seq_lens_cpu[nd:]], metadata.block_tables[nd:], scale)
+        return out
+
+
+def _decode_in_engine(exercise: str, what: str, decode) -> None:
+    llm = tiny_engine()
+    _reference_tokens()
+    runner = _runner(llm)
+    layers = runner.model.attention_layers()
+    saved = [layer.backend for layer in layers]
+    backend = DecodeKernelBackend(decode, exercise)
+    try:
+        for layer in layers:
+            layer.backend = backend
+        got = _greedy(llm)
+    finally:
+        for layer, b in zip(layers, saved):
+            layer.backend = b
+        for cache in runner.kv_caches:
+            cache.zero_()
+    _compare_in_engine(exercise, what, got)
+
+
+# -- Exercise 9.1: fused add + RMSNorm -----------------------------------------------------------
+
+ADD_NORM_CONVENTION = (
+    "Expected: new_residual = x + residual, rounded to x's dtype; out = new_residual / "
+    "sqrt(mean(new_residual**2 over the last dim) + eps), computed in float32, rounded to x's "
+    "dtype, then multiplied by weight. Returns (out, new_residual), both shaped like x.")
+
+
+def check_fused_add_rms_norm(fused_add_rms_norm, exercise: str = "9.1", seed: int = 0) -> None:
+    """``fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)``."""
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for shape in [(1, 64), (3, 100), (5, 7), (2, 3, 33)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for eps in (1e-6, 0.5):
+                x = (torch.randn(shape, generator=g) * 3).to(dtype)
+                residual = torch.randn(shape, generator=g).to(dtype)
+                weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
+                want_out, want_res = reference_rms_norm(x, weight, eps, residual)
+                got = _call(exercise, fused_add_rms_norm, x.clone(), residual.clone(),
+                            weight.clone(), eps)
+                what = f"fused_add_rms_norm(x of shape {shape}, {dtype}, eps={eps:g})"
+                if not (isinstance(got, tuple) and len(got) == 2):
+                    fail(exercise, f"{what}: expected a tuple (out, new_residual), got "
+                                   f"{type(got).__name__}. {ADD_NORM_CONVENTION}")
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                hint = None
+                if isinstance(got[0], torch.Tensor) and got[0].shape == x.shape:
+                    plain = reference_rms_norm(x, weight, eps)
+                    if torch.allclose(got[0].float(), plain.float(), atol=tol, rtol=tol):
+                        hint = "out is the norm of x alone: normalise x + residual."
+                compare_tensors(exercise, f"{what}, new_residual", got[1], want_res, tol, tol,
+                                ADD_NORM_CONVENTION)
+                compare_tensors(exercise, f"{what}, out", got[0], want_out, tol, tol,
+                                ADD_NORM_CONVENTION, hint)
+                cases += 1
+
+    def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, through the kernel
+        if residual is None:
+            return _call(exercise, fused_add_rms_norm, x, torch.zeros_like(x), weight, eps)[0]
+        return _call(exercise, fused_add_rms_norm, x, residual, weight, eps)
+
+    from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
+
+    llm = tiny_engine()
+    _reference_tokens()
+    model = _runner(llm).model
+    try:
+        use_elementwise_ops(model, {"rms_norm": norm_op})
+        got = _greedy(llm)
+    finally:
+        use_elementwise_ops(model, NATIVE_OPS)
+    _compare_in_engine(exercise, "fused_add_rms_norm in every norm", got)
+    passed(exercise, f"fused_add_rms_norm matches the reference on {cases} random cases, and the "
+                     "tiny Llama with your kernel in every norm generates the reference tokens.")
+
+
+# -- Exercise 9.2: the online-softmax update -----------------------------------------------------
+
+ONLINE_CONVENTION = (
+    "Expected: with scores s [rows, tile] in base 2 (softmax weights are 2**s; -inf where masked) "
+    "and the tile's values v [tile, d], return (m_new, l_new, acc_new) where m_new = max(m, "
+    "max of s over the tile), l_new = l * 2**(m - m_new) + sum(2**(s - m_new)) and acc_new = "
+    "acc * 2**(m - m_new) + 2**(s - m_new) @ v. After the last tile, acc / l is the attention.")
+
+
+def _tiles(n: int, sizes: list[int]):
+    start, i = 0, 0
+    while start < n:
+        size = sizes[i % len(sizes)]
+        yield start, min(n, start + size)
+        start += size
+        i += 1
+
+
+def check_online_softmax(online_softmax_update, exercise: str = "9.2", seed: int = 0) -> None:
+    """``online_softmax_update(s, v, m, l, acc) -> (m, l, acc)`` in torch, folded tile by tile."""
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for rows, n, d in ((1, 5, 4), (4, 37, 16), (8, 64, 8), (3, 130, 32)):
+        for sizes in ([16], [1], [7, 3, 16], [n]):
+            for spread in (1.0, 30.0):
+                s = torch.randn(rows, n, generator=g) * spread
+                # a causal-like mask: row r sees the first n - r keys (never fewer than one)
+                keep = torch.arange(n)[None, :] < (n - torch.arange(rows))[:, None].clamp(min=1)
+                s = s.masked_fill(~keep, float("-inf"))
+                v = torch.randn(n, d, generator=g)
+                m = torch.full((rows,), float("-inf"))
+                l, acc = torch.zeros(rows), torch.zeros(rows, d)
+                for a, b in _tiles(n, sizes):
+                    got = online_softmax_update(s[:, a:b].clone(), v[a:b].clone(), m, l, acc)
+                    if not (isinstance(got, tuple) and len(got) == 3):
+                        fail(exercise, f"expected a tuple (m, l, acc), got {type(got).__name__}. "
+                                       f"{ONLINE_CONVENTION}")
+                    m, l, acc = got
+                what = f"{rows} rows of {n} scores (spread {spread:g}) in tiles of {sizes}"
+                compare_tensors(exercise, f"{what}: the running max m", m, s.max(dim=1).values,
+                                1e-6, 1e-6, ONLINE_CONVENTION)
+                expected = torch.softmax(s * 0.6931471805599453, dim=1) @ v  # 2**s = e**(s ln 2)
+                hint = None
+                if isinstance(acc, torch.Tensor) and isinstance(l, torch.Tensor) and acc.shape == (
+                        rows, d):
+                    natural = torch.softmax(s, dim=1) @ v
+                    if torch.allclose(acc / l[:, None], natural, atol=1e-4, rtol=1e-4) and spread > 1:
+                        hint = "you used e**s; the scores are in base 2: use 2**s (exp2)."
+                compare_tensors(exercise, f"{what}: acc / l after the last tile", acc / l[:, None],
+                                expected, 1e-4, 1e-4, ONLINE_CONVENTION, hint)
+                cases += 1
+    _decode_in_engine(exercise, "online_softmax_update (a torch decode attention folding tiles "
+                                "of 8 keys)", _tiled_torch_decode(online_softmax_update))
+    passed(exercise, f"online_softmax_update matches softmax over {cases} random score matrices cut "
+                     "into tiles, and the tiny Llama decoding with it generates the reference tokens.")
+
+
+LOG2E = 1.4426950408889634
+
+
+def _tiled_torch_decode(update, tile: int = 8):
+    """A paged decode attention in torch that folds each sequence's keys ``tile`` at a time."""
+    def decode(q, kv_cache, block_tables, seq_lens, scale):
+        out = torch.empty_like(q)
+        heads, kv_heads = q.shape[1], kv_cache.shape[3]
+        block_size = kv_cache.shape[2]
+        for i, n in enumerate(seq_lens.tolist()):
+            pos = torch.arange(n)
+            blocks = block_tables[i].long()[pos // block_size]
+            k = kv_cache[0, blocks, pos % block_size].float().repeat_interleave(heads // kv_heads, 1)
+            v = kv_cache[1, blocks, pos % block_size].float().repeat_interleave(heads // kv_heads, 1)
+            for h in range(heads):
+                s = (q[i, h].float() @ k[:, h].T)[None] * (scale * LOG2E)
+                m = torch.full((1,), float("-inf"))
+                l, acc = torch.zeros(1), torch.zeros(1, q.shape[-1])
+                for a in range(0, n, tile):
+                    m, l, acc = update(s[:, a:a + tile], v[a:a + tile, h], m, l, acc)
+                out[i, h] = (acc / l[:, None])[0].to(q.dtype)
+        return out
+    return decode
+
+
+CONTIGUOUS_CONVENTION = (
+    "Expected: for each KV head, the attention of its group of query heads q [heads, d] over "
+    "the keys and values k, v [n, kv_heads, d]: softmax(q k^T * scale) v, query head h using KV "
+    "head h // (heads // kv_heads).")
+
+
+def check_online_softmax_kernel(attention, exercise: str = "9.2", seed: int = 0) -> None:
+    """``attention(q [heads, d], k [n, kv_heads, d], v, scale) -> [heads, d]``: the notebook's
+    kernel, folding tiles with the learner's ``tl`` online-softmax update."""
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for heads, kv_heads, d in ((4, 2, 16), (3, 3, 8), (8, 1, 32)):
+        for n in (1, 15, 16, 17, 70):
+            for spread in (1.0, 20.0):
+                q = torch.randn(heads, d, generator=g) * spread
+                k = torch.randn(n, kv_heads, d, generator=g)
+                v = torch.randn(n, kv_heads, d, generator=g)
+                scale = d ** -0.5
+                group = heads // kv_heads
+                kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                expected = torch.einsum("hs,shd->hd", torch.softmax(
+                    torch.einsum("hd,shd->hs", q, kk) * scale, dim=-1), vv)
+                got = _call(exercise, attention, q.clone(), k.clone(), v.clone(), scale)
+                compare_tensors(exercise, f"attention of {heads} query heads over {n} keys "
+                                f"({kv_heads} KV heads, d={d}, query spread {spread:g})", got,
+                                expected, 1e-4, 1e-4, CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION)
+                cases += 1
+    passed(exercise, f"the kernel with your tl online-softmax update matches softmax attention on "
+                     f"{cases} random cases (contexts of 1 to 70 keys in tiles of 16).")
+
+
+# -- Exercises 9.3 and 9.4: paged decode attention, one partition or several ----------------------
+
+PAGED_CONVENTION = (
+    "Expected: for each sequence i, the attention of its query q[i] [heads, d] over its first "
+    "seq_lens[i] tokens, token p read from block block_tables[i, p // block_size] at offset "
+    "p % block_size of kv_cache [2 (K, V), num_blocks, block_size, kv_heads, d]; query head h "
+    "uses KV head h // (heads // kv_heads).")
+
+
+def _paged_cases(g: torch.Generator, extra_splits: bool):
+    """(q, kv_cache, block_tables, seq_lens, scale, label, num_splits) on scattered blocks."""
+    for heads, kv_heads, d, block_size in ((4, 2, 16, 8), (2, 2, 8, 4), (8, 1, 32, 16)):
+        for lens in ([1], [5, 64, 17], [33, 8, 1, 90]):
+            num_blocks = 64
+            cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g)
+            width = max(-(-n // block_size) for n in lens) + 2  # tables longer than needed
+            tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width]
+                                  for _ in lens]).to(torch.int32)
+            for i, n in enumerate(lens):  # what lies past a sequence's end must not be read
+                used = -(-n // block_size)
+                cache[:, tables[i, used - 1], n - (used - 1) * block_size:] += 40.0
+                cache[:, tables[i, used:].long()] += 40.0
+            q = torch.randn(len(lens), heads, d, generator=g)
+            seq_lens = torch.tensor(lens, dtype=torch.int32)
+            label = (f"{len(lens)} sequences of {lens} tokens, {heads} query heads over {kv_heads} "
+                     f"KV heads, d={d}, block_size={block_size}")
+            for splits in ((1, 2, 7) if extra_splits else (None,)):
+                yield q, cache, tables, seq_lens, d ** -0.5, label, splits
+
+
+def _paged_hint(got, q, cache, tables, seq_lens, scale) -> str | None:
+    if not isinstance(got, torch.Tensor) or got.shape != q.shape:
+        return None
+    block_size = cache.shape[2]
+    whole = torch.clamp(-(-seq_lens // block_size) * block_size, min=1).to(torch.int32)
+    if (whole != seq_lens).any() and torch.allclose(
+            got, paged_decode_attention(q, cache, tables, whole, scale), atol=1e-3, rtol=1e-3):
+        return ("you attended to every slot of the last block; only the first seq_len tokens are "
+                "the sequence's (mask t < seq_len).")
+    ordered = torch.arange(tables.shape[1], dtype=torch.int32)[None].expand_as(tables).contiguous()
+    if torch.allclose(got, paged_decode_attention(q, cache, ordered, seq_lens, scale),
+                      atol=1e-3, rtol=1e-3):
+        return "you read blocks 0, 1, 2, ... in order: look each token's block up in the block table."
+    return None
+
+
+def check_paged_decode(paged_decode, exercise: str = "9.3", seed: int = 0) -> None:
+    """``paged_decode(q, kv_cache, block_tables, seq_lens, scale) -> [seqs, heads, d]``: the
+    notebook's kernel, reading each tile through the learner's ``load_kv_tile``."""
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for q, cache, tables, seq_lens, scale, label, _ in _paged_cases(g, extra_splits=False):
+        expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
+        got = _call(exercise, paged_decode, q.clone(), cache.clone(), tables.clone(),
+                    seq_lens.clone(), scale)
+        compare_tensors(exercise, f"paged decode attention, {label}", got, expected, 1e-4, 1e-4,
+                        PAGED_CONVENTION, _paged_hint(got, q, cache, tables, seq_lens, scale))
+        cases += 1
+    _decode_in_engine(exercise, "load_kv_tile (in the decode kernel)", paged_decode)
+    passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on {cases} "
+                     "random block tables, and the tiny Llama decoding with it generates the "
+                     "reference tokens.")
+
+
+SPLIT_CONVENTION = (
+    "Expected: partition j of a sequence left its running max m_j, sum l_j and unnormalised "
+    "output acc_j (only partitions that start before seq_len ran; the others hold garbage). "
+    "With M = max_j m_j: out = sum_j 2**(m_j - M) acc_j / sum_j 2**(m_j - M) l_j.")
+
+
+def check_split_decode(flash_decode, exercise: str = "9.4", seed: int = 0) -> None:
+    """``flash_decode(q, kv_cache, block_tables, seq_lens, scale, num_splits) -> [seqs, heads, d]``:
+    the notebook's split-K kernel, combined by the learner's reduction."""
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for q, cache, tables, seq_lens, scale, label, splits in _paged_cases(g, extra_splits=True):
+        expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
+        got = _call(exercise, flash_decode, q.clone(), cache.clone(), tables.clone(),
+                    seq_lens.clone(), scale, splits)
+        hint = None
+        if isinstance(got, torch.Tensor) and got.shape == q.shape and torch.isnan(got).any():
+            hint = ("NaN: a partition that starts at or after seq_len never ran, and its m, l, acc "
+                    "hold NaN; leave it out of the sums.")
+        compare_tensors(exercise, f"flash-decoding with {splits} partitions, {label}", got,
+                        expected, 1e-4, 1e-4, SPLIT_CONVENTION, hint)
+        cases += 1
+    _decode_in_engine(exercise, "split-K reduction (2 partitions per sequence)",
+                      lambda *args: flash_decode(*args, 2))
+    passed(exercise, f"flash-decoding with your reduction matches the reference on {cases} random "
+                     "cases (1, 2 and 7 partitions, some never reached by short sequences), and the "
+                     "tiny Llama decoding with it generates the reference tokens.")
+
+
+__all__ = ["CheckFailed", "check_fused_add_rms_norm", "check_online_softmax",
+           "check_online_softmax_kernel", "check_paged_decode", "check_split_decode",
+           "package_kernels_hidden", "tiny_engine"]
