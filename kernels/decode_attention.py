@@ -110,7 +110,11 @@ def _decode_reduce_kernel(
     base = seq * stride_m_seq + head * stride_m_head + s
     m = tl.load(max_ptr + base, mask=s_mask, other=float("-inf"))
     l = tl.load(sum_ptr + base, mask=s_mask, other=0.0)
-    weight = tl.where(s_mask, tl.exp2(m - tl.max(m, 0)), 0.0)
+    m_max = tl.max(m, 0)
+    # an empty sequence (seq_len 0) used no partition: every m is -inf, and -inf - -inf would
+    # be NaN in the masked lanes (where() evaluates both sides); a finite max keeps them -inf
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    weight = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
     rows = seq * stride_acc_seq + head * stride_acc_head + s * stride_acc_split
     acc = tl.load(acc_ptr + rows[:, None] + d[None, :],
                   mask=s_mask[:, None] & (d < head_dim)[None, :], other=0.0)

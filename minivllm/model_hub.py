@@ -68,22 +68,46 @@ def convert_gguf_to_hf(gguf_path: str, target: str) -> None:
 
     transformers reads the GGUF (undoing llama.cpp's q/k weight permutation); we write the
     tensors with safetensors ourselves, since transformers refuses to save a GGUF-loaded model.
+    One progress bar covers the whole conversion (its clock runs through the long steps);
+    transformers' own bars and messages are held back, and shown only if the conversion fails.
     """
+    import contextlib
+    import io
+
+    from minivllm.progress import progress_bar, ticking
+
+    print(f"minivllm: converting the bundled {BUNDLED_NAME} (GGUF) into {target} "
+          "(once)", file=sys.stderr, flush=True)
+    held_back = io.StringIO()
+    bar = progress_bar(f"Converting {BUNDLED_NAME}", total=3, unit="steps")
+    try:
+        with ticking(bar), contextlib.redirect_stderr(held_back):
+            _convert(gguf_path, target, bar)
+    except BaseException:
+        bar.close()
+        sys.stderr.write(held_back.getvalue())
+        raise
+    bar.set_postfix_str("")
+    bar.close()
+
+
+def _convert(gguf_path: str, target: str, bar) -> None:
+    bar.set_postfix_str("reading the tokenizer", refresh=True)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(
-        f"minivllm: converting the bundled {BUNDLED_NAME} (GGUF) into {target} (once)",
-        file=sys.stderr,
-    )
     folder, name = os.path.split(gguf_path)
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        bar.update(1)
+        bar.set_postfix_str("dequantizing the weights", refresh=True)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        bar.update(1)
+        bar.set_postfix_str("writing model.safetensors", refresh=True)
         tied = bool(model.config.tie_word_embeddings)
         tensors = {
             k: v.detach().to(torch.float32).contiguous()
@@ -104,6 +128,7 @@ def convert_gguf_to_hf(gguf_path: str, target: str) -> None:
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)
         tokenizer.save_pretrained(tmp)
+        bar.update(1)
         with open(os.path.join(tmp, _DONE_MARKER), "w") as f:
             f.write(os.path.basename(gguf_path) + "\n")
         del model

@@ -43,3 +43,41 @@ def test_unreachable_hub_error_names_the_install_command():
 def test_cache_dir_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv(model_hub.CACHE_ENV, str(tmp_path / "x"))
     assert model_hub.cache_dir() == str(tmp_path / "x")
+
+
+def test_conversion_shows_one_bar_and_holds_back_transformers_output(tmp_path, monkeypatch,
+                                                                     capsys):
+    """The first start's conversion: our bar, in the one format, from its first second;
+    whatever transformers prints is held back, and shown when the conversion fails."""
+    import sys
+
+    from minivllm.progress import BAR_FORMAT
+
+    def fails_midway(gguf_path, target, bar):
+        bar.set_postfix_str("reading the tokenizer", refresh=True)
+        bar.update(1)
+        print("Converting and de-quantizing GGUF tensors...: 100%", file=sys.stderr)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(model_hub, "_convert", fails_midway)
+    with pytest.raises(RuntimeError, match="disk full"):
+        model_hub.convert_gguf_to_hf("x.gguf", str(tmp_path / "model"))
+    err = capsys.readouterr().err
+    assert f"into {tmp_path / 'model'}" in err
+    assert f"Converting {model_hub.BUNDLED_NAME}:  33%|" in err and "1/3 steps" in err
+    assert "reading the tokenizer" in err
+    assert err.index("de-quantizing") > err.index("1/3 steps")  # shown after, not mixed in
+    assert "{" not in BAR_FORMAT.format(desc="d", percentage=1, bar="#", n_fmt=1, total_fmt=2,
+                                        unit="u", elapsed="0:01", postfix="")
+
+
+def test_ticking_redraws_the_bar_while_one_long_call_runs(capsys):
+    import time
+
+    from minivllm.progress import progress_bar, ticking
+
+    bar = progress_bar("Loading", total=2)
+    with ticking(bar, every=0.02):
+        time.sleep(0.3)  # one long call: no update() in between
+    bar.close()
+    assert capsys.readouterr().err.count("Loading:") >= 5

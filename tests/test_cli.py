@@ -15,10 +15,20 @@ def test_help_lists_commands():
     assert "generate" in out.stdout and "bench" in out.stdout
 
 
-def test_generate_chat_prints_text_from_the_bundled_model():
+def test_generate_chat_prints_text_from_the_bundled_model(bundled_path):
     out = _run("generate", "--chat", "What is the capital of France?", "--max-tokens", "24")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+    first, second = out.stdout.splitlines()[:2]
+    assert first.startswith("minivllm generate: starting")  # before torch is imported
+    assert second == f"minivllm generate: model SmolLM2-135M-Instruct in {bundled_path}"
+
+
+def test_import_minivllm_does_not_import_torch():
+    code = "import sys, minivllm; assert 'torch' not in sys.modules; print(minivllm.SamplingParams)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "SamplingParams" in out.stdout
 
 
 def test_generate_bad_flag_value_is_a_clear_error(tiny_llama):

@@ -191,7 +191,7 @@ def test_fresh_exercise_notebook_fails_only_at_its_exercise_and_grading_cells(pa
 
 @pytest.mark.slow
 def test_test_command_collects_every_chapter_and_solution_notebook_and_no_exercise():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-qq"],  # addopts: -v
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     for path in CHAPTERS + SOLUTIONS:

@@ -80,8 +80,10 @@ def test_busy_port_is_a_clear_error_before_loading():
     assert "Loading weights" not in out.stderr
 
 
-def test_start_up_prints_url_and_ready_line(server):
+def test_start_up_prints_url_and_ready_line(server, bundled_path):
     out = "".join(server.stdout)
+    assert out.startswith("minivllm serve: starting")
+    assert f"minivllm serve: model {MODEL} in {bundled_path}\n" in out  # on every start
     assert "http://127.0.0.1:" in out and "ready" in out
     assert "Loading weights" in "".join(server.stderr)  # the progress bar
 
@@ -153,6 +155,60 @@ def test_chat_max_completion_tokens_and_stop(client, bundled_llm):
                                     stop=[word])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full.choices[0].text[: full.choices[0].text.index(word)]
+
+
+def test_cached_tokens_count_prefix_cache_hits(client):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens whose K/V the prefix cache
+    served. A new prompt has none; the same prompt again reuses every full 16-token block but
+    the last token's."""
+    prompt = "A unique prompt for the cached-tokens test: " + " ".join(
+        f"word{i}" for i in range(24))
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    n = first.usage.prompt_tokens
+    assert n > 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert again.choices[0].text == first.choices[0].text
+
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    chat_kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2)
+    client.chat.completions.create(**chat_kw)
+    chat = client.chat.completions.create(**chat_kw)
+    n = chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+
+
+def test_continuous_usage_stats_put_running_usage_on_every_chunk(client, bundled_llm):
+    ref = bundled_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12),
+                               use_tqdm=False)[0]
+    n_prompt, n_out = len(ref.prompt_token_ids), len(ref.outputs[0].token_ids)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                            temperature=0, stream=True, stream_options=options))
+    text_chunks, last = chunks[:-1], chunks[-1]
+    assert len(text_chunks) > 3 and all(c.choices for c in text_chunks)
+    completed = [c.usage.completion_tokens for c in text_chunks]
+    assert completed == sorted(completed) and completed[0] >= 1 and completed[-1] == n_out
+    for c in text_chunks:
+        assert c.usage.prompt_tokens == n_prompt
+        assert c.usage.total_tokens == n_prompt + c.usage.completion_tokens
+    assert last.choices == [] and last.usage.completion_tokens == n_out
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6,
+                                               temperature=0, stream=True,
+                                               stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(c.usage is not None for c in chat)
+    assert chat[-2].usage.completion_tokens == chat[-1].usage.completion_tokens == 6
+
+    # without include_usage the option adds nothing (as in vLLM)
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4,
+                                           temperature=0, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
 
 
 def test_token_id_prompt_and_models_endpoint(client, bundled_llm):

@@ -30,9 +30,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in EngineArgs.cli_fields() if hasattr(args, f.name)}
 
 
+def resolve_model_folder(args: argparse.Namespace, command: str) -> str:
+    """Find (on first use: convert) the model's folder and say where it is, on every start,
+    so a user can point transformers or other tools at it."""
+    from minivllm.model_hub import BUNDLED_NAME, resolve_model
+
+    folder = resolve_model(args.model, revision=getattr(args, "revision", None))
+    print(f"minivllm {command}: model {args.model or BUNDLED_NAME} in {folder}", flush=True)
+    args.model = folder
+    return folder
+
+
 def _generate(args: argparse.Namespace) -> int:
+    print("minivllm generate: starting (importing torch and transformers)", flush=True)
     from minivllm import LLM, SamplingParams
 
+    resolve_model_folder(args, "generate")
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -18,10 +18,10 @@ import os
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from minivllm.model.config import ModelConfig
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.progress import progress_bar
 
 _MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 
@@ -63,7 +63,7 @@ def load_weights(model: LlamaForCausalLM, folder: str, show_progress: bool = Tru
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             total += len(f.keys())
-    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
+    bar = progress_bar("Loading weights", total=total, unit="tensors", disable=not show_progress)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():

@@ -163,9 +163,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return error_response(err)
         gens = serving.generators(inputs, request_id, stream=bool(req.stream))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and options.continuous_usage_stats
             return StreamingResponse(
-                serving.stream_response(chat, request_id, model, gens, include_usage),
+                serving.stream_response(chat, request_id, model, gens, include_usage, continuous),
                 media_type="text/event-stream")
         try:
             body = await run_until_disconnected(
@@ -240,12 +242,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(args) -> None:
-    engine_args = EngineArgs.from_cli_args(args)  # includes --multiprocess
+    from minivllm.entrypoints.cli import resolve_model_folder
+
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     sock = _bind(args.host, args.port)
+    try:
+        resolve_model_folder(args, "serve")  # converts the bundled model on first use
+    except BaseException:
+        sock.close()
+        raise
+    engine_args = EngineArgs.from_cli_args(args)  # includes --multiprocess
     host, port = sock.getsockname()[:2]
     mode = "engine core in its own process" if args.multiprocess else "engine core in-process"
-    print(f"minivllm serve: loading {args.model or BUNDLED_NAME} ({mode})", flush=True)
+    print(f"minivllm serve: loading {names[0]} ({mode})", flush=True)
     prometheus_client.disable_created_metrics()  # no *_created series, as vLLM
     stat_logger = PrometheusStatLogger(names[0])
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])

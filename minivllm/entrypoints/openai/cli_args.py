@@ -35,6 +35,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    print("minivllm serve: starting (importing torch, transformers and the server)", flush=True)
     try:
         from minivllm.entrypoints.openai.api_server import run_server
     except ImportError as e:

@@ -57,7 +57,8 @@ def error_from_value_error(e: ValueError) -> RequestError:
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk (no choices) carries the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries usage
 
 
 # fields of the OpenAI API minivllm does not implement: refused unless left at their default

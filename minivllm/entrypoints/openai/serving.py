@@ -4,7 +4,9 @@ Each handler turns the request into prompts and ``SamplingParams`` (every mistak
 anything reaches the engine), starts one ``AsyncLLM.generate`` per prompt, then either waits
 for the final outputs (one JSON body) or streams server-sent events: one chunk per new piece
 of text, a last chunk with the finish reason, usage when ``stream_options.include_usage`` asks
-for it, and ``data: [DONE]``. A stream asks the engine for DELTA outputs (each carries only the
+for it (and on every chunk with vLLM's ``continuous_usage_stats``), and ``data: [DONE]``. Usage
+counts, as vLLM's does, the prompt tokens served from the prefix cache
+(``prompt_tokens_details.cached_tokens``). A stream asks the engine for DELTA outputs (each carries only the
 new text and tokens, so a chunk costs what it carries); a full response for FINAL_ONLY (one
 output, at the end).
 """
@@ -36,13 +38,15 @@ def engine_dead_error(e: EngineDeadError) -> RequestError:
 
 async def chat_completion_stream_generator(
     request_id: str, model: str, outputs: AsyncIterator[RequestOutput], include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """One chat completion's server-sent events, from the engine's DELTA outputs.
 
     A first chunk with the role, one chunk per new piece of text (``delta.content``), the
     finish reason on the last one, then (``include_usage``) a chunk with no choices and the
     token counts, and ``data: [DONE]``. Every chunk carries the same id, ``created`` and model;
-    with ``include_usage``, every chunk but the usage one says ``"usage": null``.
+    with ``include_usage``, every chunk but the usage one says ``"usage": null``, unless
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``) puts the usage so far on each.
     """
     created = int(time.time())
 
@@ -53,23 +57,29 @@ async def chat_completion_stream_generator(
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    num_prompt_tokens = num_output_tokens = num_cached_tokens = 0
+
+    def so_far() -> dict | None:
+        if not continuous_usage:
+            return None
+        return usage_dict(num_prompt_tokens, num_output_tokens, num_cached_tokens)
+
     yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}])
-    num_prompt_tokens = num_output_tokens = 0
+                  "finish_reason": None}], so_far())
     async for out in outputs:
         c = out.outputs[0]  # a DELTA output: only what is new
         num_prompt_tokens = len(out.prompt_token_ids)
         num_output_tokens += len(c.token_ids)
+        num_cached_tokens = out.num_cached_tokens
         if not c.text and not out.finished:
             continue
         choice = {"index": 0, "delta": {"content": c.text} if c.text else {}, "logprobs": None,
                   "finish_reason": c.finish_reason if out.finished else None}
         if out.finished:
             choice["stop_reason"] = c.stop_reason
-        yield event([choice])
+        yield event([choice], so_far())
     if include_usage:
-        yield event([], {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-                         "total_tokens": num_prompt_tokens + num_output_tokens})
+        yield event([], usage_dict(num_prompt_tokens, num_output_tokens, num_cached_tokens))
     yield "data: [DONE]\n\n"
 
 
@@ -161,10 +171,17 @@ class OpenAIServing:
         }
 
     async def stream_response(self, chat: bool, request_id: str, model: str, gens: list,
-                              include_usage: bool) -> AsyncIterator[str]:
+                              include_usage: bool,
+                              continuous_usage: bool = False) -> AsyncIterator[str]:
+        """``include_usage``: a last chunk without choices carries the usage of the whole
+        request; ``continuous_usage`` (vLLM's ``continuous_usage_stats``): every chunk also
+        carries its choice's usage so far."""
         if chat:  # one prompt, one generator
+            # the course's replacement stream functions take the four arguments only
+            extra = {"continuous_usage": True} if continuous_usage else {}
             try:
-                async for event in self.chat_stream(request_id, model, gens[0], include_usage):
+                async for event in self.chat_stream(request_id, model, gens[0], include_usage,
+                                                    **extra):
                     yield event
             except EngineDeadError as e:
                 yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
@@ -174,13 +191,19 @@ class OpenAIServing:
         obj = "text_completion"
         num_prompt_tokens = [0] * len(gens)
         num_output_tokens = [0] * len(gens)
+        num_cached_tokens = [0] * len(gens)
 
-        def chunk(choices: list) -> str:
+        def chunk(choices: list, usage: dict | None = None) -> str:
             body = {"id": request_id, "object": obj, "created": created, "model": model,
                     "choices": choices}
             if include_usage:
-                body["usage"] = None
+                body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def usage_of(i: int) -> dict | None:
+            if not continuous_usage:
+                return None
+            return usage_dict(num_prompt_tokens[i], num_output_tokens[i], num_cached_tokens[i])
 
         try:
             async for i, out in merge_async_iterators(gens):
@@ -188,6 +211,7 @@ class OpenAIServing:
                 delta = c.text
                 num_prompt_tokens[i] = len(out.prompt_token_ids)
                 num_output_tokens[i] += len(c.token_ids)
+                num_cached_tokens[i] = out.num_cached_tokens
                 if not delta and not out.finished:
                     continue
                 choice = {"index": i, "logprobs": None,
@@ -195,14 +219,10 @@ class OpenAIServing:
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
                 choice["text"] = delta
-                yield chunk([choice])
+                yield chunk([choice], usage_of(i))
             if include_usage:
-                prompt, completion = sum(num_prompt_tokens), sum(num_output_tokens)
-                body = {"id": request_id, "object": obj, "created": created, "model": model,
-                        "choices": [], "usage": {"prompt_tokens": prompt,
-                                                 "completion_tokens": completion,
-                                                 "total_tokens": prompt + completion}}
-                yield f"data: {json.dumps(body)}\n\n"
+                yield chunk([], usage_dict(sum(num_prompt_tokens), sum(num_output_tokens),
+                                           sum(num_cached_tokens)))
         except EngineDeadError as e:
             yield f"data: {json.dumps(engine_dead_error(e).to_dict())}\n\n"
         yield "data: [DONE]\n\n"
@@ -216,10 +236,17 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    return usage_dict(sum(len(o.prompt_token_ids) for o in finals),
+                      sum(len(o.outputs[0].token_ids) for o in finals),
+                      sum(o.num_cached_tokens for o in finals))
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    the prefix cache served (their K/V were reused, not recomputed), as vLLM reports them."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
