@@ -1,6 +1,6 @@
 """The package's import directions: each layer imports only from the layers below it.
 
-    utils, outputs, sampling_params, config, core.sched_output, engine.messages
+    utils, progress, outputs, sampling_params, config, core.sched_output, engine.messages
       <  kernels, distributed  <  attention
       <  model  <  sample  <  worker  <  executor  <  core  <  engine  <  entrypoints
       <  testing, sim
@@ -23,7 +23,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
-    {"utils", "outputs", "sampling_params", "config", "core.sched_output", "engine.messages"},
+    {"utils", "progress", "outputs", "sampling_params", "config", "core.sched_output",
+     "engine.messages"},
     {"kernels", "distributed"},
     {"attention"},
     {"model", "model_hub"},
