@@ -133,6 +133,9 @@ def _convert(gguf_path: str, target: str, bar) -> None:
             f.write(os.path.basename(gguf_path) + "\n")
         del model
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        if os.path.isfile(os.path.join(target, _DONE_MARKER)):
+            shutil.rmtree(tmp)  # another process (a parallel test worker) finished first
+            return
         if os.path.isdir(target):  # a half-written folder from an interrupted run
             shutil.rmtree(target)
         os.replace(tmp, target)
