@@ -1,9 +1,9 @@
 """Triton kernels, each beside the plain-torch reference it is tested against.
 
-Installed as ``minivllm.kernels`` (``import minivllm.kernels``). Every module here pairs a Triton
-kernel with ``reference``, the plain-torch function of the same signature that the tests compare
-it to (the references live where the engine uses them: ``minivllm.attention.torch_backend`` and
-``minivllm.model.layers``):
+Imported as ``minivllm.kernels``. Every module here pairs a Triton kernel with a plain-torch
+reference of the same signature that the tests compare it to; the references live where the
+engine uses them (``minivllm.attention.torch_backend`` and ``minivllm.model.layers``), and each
+module's docstring names its own. The kernels import nothing from the rest of the package:
 
 | module                 | kernel                     | what it does                                   |
 |------------------------|----------------------------|------------------------------------------------|

@@ -3,6 +3,8 @@
 Unfused, torch reads the projection, writes silu(gate), reads it back with up, and writes the
 product; the kernel reads each element once and writes the product once. Grid (row tiles,
 column tiles); computed in float32, rounded once.
+
+Torch reference (what the tests compare it with): ``minivllm.model.layers.silu_and_mul``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.model.layers import silu_and_mul as reference  # noqa: F401
 
 MAX_BLOCK = 1024  # columns per program
 TILE_ELEMENTS = 2048  # rows per program: as many as fit in a tile of this size (>= 1)

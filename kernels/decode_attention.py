@@ -15,6 +15,8 @@ the context is cut into ``num_splits`` partitions, each handled by its own progr
 
 ``max_seq_len`` only sizes the grid (the kernel reads each sequence's length from ``seq_lens``),
 so a CUDA graph captured with ``max_seq_len = max_model_len`` serves any context length.
+
+Torch reference (what the tests compare it with): ``minivllm.attention.torch_backend.paged_decode_attention``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.attention.torch_backend import paged_decode_attention as reference  # noqa: F401
 from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 
 LOG2E = 1.4426950408889634

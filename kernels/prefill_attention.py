@@ -13,6 +13,8 @@ block table) with an online softmax, and stops at the last key its last query ma
 Query j of the chunk sits at position ``seq_len - query_len + j`` and sees keys up to there.
 Heads are the fastest grid axis so the programs sharing a KV head (GQA) run side by side and
 find its K/V tiles in L2.
+
+Torch reference (what the tests compare it with): ``minivllm.attention.torch_backend.paged_prefill_attention``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.attention.torch_backend import paged_prefill_attention as reference  # noqa: F401
 from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 from minivllm.kernels.decode_attention import LOG2E, dot_precision
 
@@ -90,8 +91,6 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor | list[int],  # [seqs]
     block_tables: torch.Tensor,  # [seqs, max_blocks] int32
     scale: float,
-    k: torch.Tensor | None = None,  # accepted for the reference's signature; the kernel reads
-    v: torch.Tensor | None = None,  # every key and value from the cache
     max_query_len: int | None = None,  # sizes the grid; from a list it is free, else a host sync
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

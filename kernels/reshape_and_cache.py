@@ -4,6 +4,8 @@ One program per token: it reads the token's slot (``block_id * block_size + offs
 padding tokens (slot -1, e.g. the filler rows of a CUDA-graph batch), and copies all its KV
 heads into ``kv_cache[0/1, block_id, offset]``. The copy never syncs with the host, unlike the
 reference's boolean-mask indexing, so it can be captured in a CUDA graph.
+
+Torch reference (what the tests compare it with): ``minivllm.attention.torch_backend.write_to_kv_cache``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.attention.torch_backend import write_to_kv_cache as reference  # noqa: F401
 
 
 @triton.jit

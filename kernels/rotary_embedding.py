@@ -5,6 +5,8 @@ halves of the head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), cos and sin 
 token's position in the precomputed float32 table ([max_position, head_dim]: cos | sin).
 A program takes a tile of BLOCK_ROWS rows. q and k may be strided views into the packed qkv
 projection: nothing is copied first.
+
+Torch reference (what the tests compare it with): ``minivllm.model.layers.rotary_embedding``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.model.layers import rotary_embedding as reference  # noqa: F401
 
 TILE_ELEMENTS = 2048  # rows per program: as many as fit in a tile of this size (>= 1)
 

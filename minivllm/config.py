@@ -8,30 +8,94 @@ that names the field, before any weight is loaded.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import typing
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and the model's config load only when an engine is configured
+    import torch
 
-from minivllm.model.config import ModelConfig
+    from minivllm.model.config import ModelConfig
 
+# dtype names a user may give -> torch.<name>
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 SCHEDULERS = ("v1", "v0")
 ATTENTION_BACKENDS = ("torch", "triton")
 HASH_ALGOS = ("sha256", "xxhash")
 CUSTOM_OPS = ("auto", "all", "none")
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len past what the model's positions cover is
+# refused unless this environment variable is "1" (or "true")
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "MINIVLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 # Default token budget per step when chunked prefill is on. A prefill chunk rides along with the
 # decodes almost for free while the step stays memory-bound, i.e. up to the hardware's
 # compute/bandwidth ridge point: a few hundred tokens on a datacenter GPU, far fewer on a laptop
 # CPU (chapter 05 measures it).
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+
+
+# What each engine argument's command-line flag says (``--name-with-dashes``, vLLM's names), and
+# the values it accepts. The flags themselves are generated from EngineArgs' fields.
+_CLI_HELP: dict[str, tuple[str, tuple | None]] = {
+    "model": ("local Hugging Face folder or hub name (default: the bundled "
+              "SmolLM2-135M-Instruct)", None),
+    "tokenizer": ("tokenizer folder or hub name (default: the model's)", None),
+    "skip_tokenizer_init": ("token ids in, token ids out (no tokenizer is loaded)", None),
+    "revision": ("the hub revision (branch, tag or commit) of the model", None),
+    "dtype": ("weights and activations (auto: float32 on a CPU, the checkpoint's half type on "
+              "a GPU)", ("auto", *_DTYPES)),
+    "device": ("auto | cpu | cuda | cuda:N", None),
+    "seed": ("the engine's random seed", None),
+    "block_size": ("tokens per KV cache block", None),
+    "num_kv_blocks": ("KV cache blocks (default: from --kv-cache-memory-bytes or "
+                      "--gpu-memory-utilization)", None),
+    "kv_cache_memory_bytes": ("bytes for the KV cache (CPU default: 1 GiB)", None),
+    "gpu_memory_utilization": ("fraction of the GPU's memory the engine may use, "
+                               "weights and KV cache together", None),
+    "enable_prefix_caching": ("reuse the KV blocks of prompts' shared prefixes", None),
+    "prefix_caching_hash_algo": ("how blocks are hashed for the prefix cache", HASH_ALGOS),
+    "scheduler": ("v1: one token budget for prefills and decodes; v0: phase-separated",
+                  SCHEDULERS),
+    "max_num_seqs": ("most requests running at once", None),
+    "max_num_batched_tokens": ("token budget per step (default: 512 on a CPU, 8192 on a GPU)",
+                               None),
+    "max_model_len": ("longest prompt + output (default: the model's context length)", None),
+    "enable_chunked_prefill": ("cut long prompts into chunks that share steps with decodes",
+                               None),
+    "long_prefill_token_threshold": ("most tokens one prompt may take in a step (0: no limit)",
+                                     None),
+    "attention_backend": ("default: triton on CUDA, torch elsewhere", ATTENTION_BACKENDS),
+    "enforce_eager": ("no CUDA graphs", None),
+    "compile": ("torch.compile the model's elementwise parts", None),
+    "custom_ops": ("fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
+                   "Triton attention backend, unless --compile)", CUSTOM_OPS),
+    "multiprocess": ("run the engine core in its own process", None),
+    "trace_steps": ("keep what the last N engine steps scheduled, for get_step_trace() "
+                    "(0: off)", None),
+    "tensor_parallel_size": ("split the model across this many ranks (torch.distributed: gloo "
+                             "on CPU, nccl on GPU)", None),
+    "distributed_executor_backend": (
+        "mp: one worker process per rank; uni: the runner in the engine core's process (size 1 "
+        "only); external_launcher: every rank started by torchrun runs this same command, rank "
+        "0 runs the engine. Default: uni at size 1, mp above", EXECUTOR_BACKENDS),
+}
+_CLI_HELP["model_runner_cls"] = (
+    "another model runner as MODULE:CLASS, e.g. minivllm.sim.paced_runner:PacedModelRunner (no "
+    "model: each step sleeps its simulated H100 time; for load tests)", None)
+# short spellings vLLM also accepts
+_CLI_ALIASES = {"tensor_parallel_size": ("-tp",)}
 
 
 @dataclass
@@ -69,6 +133,13 @@ class EngineArgs:
     # (with compile=True, torch.compile fuses the plain-torch ops instead)
     custom_ops: str = "auto"
     multiprocess: bool = False
+    # tensor parallelism: the model's heads, MLP features and vocabulary split across this many
+    # ranks (torch.distributed: gloo on CPU, nccl on GPU)
+    tensor_parallel_size: int = 1
+    # "uni": the model runner in the engine core's process (size 1); "mp": one worker process
+    # per rank, spawned by the engine core; "external_launcher": the ranks were started by
+    # torchrun (rank 0 runs the engine). None: "uni" at size 1, "mp" above.
+    distributed_executor_backend: str | None = None
     # how many recent steps get_step_trace() keeps (what each step scheduled, its duration);
     # 0 turns the trace off. On for LLM and the course; `minivllm serve` defaults to 0, so a
     # server's memory does not grow with its uptime.
@@ -87,8 +158,48 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    @classmethod
+    def cli_fields(cls) -> list[dataclasses.Field]:
+        """The fields a command line can set: all but the injectable classes (``*_cls``) that
+        only Python can pass (a class given as "module:Class" text has its flag)."""
+        hints = typing.get_type_hints(cls)
+        return [f for f in dataclasses.fields(cls)
+                if not f.name.endswith("_cls") or str in typing.get_args(hints[f.name])]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     defaults: dict | None = None) -> argparse.ArgumentParser:
+        """Add one flag per engine argument (``--max-num-seqs`` for ``max_num_seqs``).
+
+        The flags are generated from the fields, so a new field gets its flag; ``defaults``
+        overrides a field's default for one command (``minivllm serve`` runs multi-process).
+        """
+        hints = typing.get_type_hints(cls)
+        defaults = defaults or {}
+        group = parser.add_argument_group("engine arguments (vLLM's names)")
+        for f in cls.cli_fields():
+            help_text, choices = _CLI_HELP.get(f.name, ("", None))
+            default = defaults.get(f.name, f.default)
+            flags = ("--" + f.name.replace("_", "-"), *_CLI_ALIASES.get(f.name, ()))
+            kind = hints[f.name]
+            if kind is bool:
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
+                                   help=help_text)
+                continue
+            base = next(t for t in typing.get_args(kind) or (kind,) if t not in (type(None), type))
+            group.add_argument(*flags, type=base, default=default, choices=choices,
+                               help=help_text if default is None else f"{help_text} (default: {default})")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The EngineArgs a parsed command line asks for (flags not on it keep their default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in cls.cli_fields()
+                      if hasattr(args, f.name)})
+
     def create_config(self) -> "EngineConfig":
         self._check_types()
+        from minivllm.model.config import ModelConfig
         from minivllm.model_hub import resolve_model
 
         model_path = resolve_model(self.model, revision=self.revision)
@@ -97,9 +208,7 @@ class EngineArgs:
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
 
-        max_model_len = self.max_model_len or model_config.max_position_embeddings
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        max_model_len, model_config = _resolve_max_model_len(self.max_model_len, model_config)
 
         chunked = self.enable_chunked_prefill and self.scheduler == "v1"
         budget = self.max_num_batched_tokens
@@ -115,7 +224,34 @@ class EngineArgs:
                 "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
 
-        backend, use_custom_ops = self._resolve_kernels(device)
+        backend, use_custom_ops = self._resolve_kernels(device, model_config.sliding_window)
+        if backend == "triton" and model_config.sliding_window is not None:
+            raise ValueError(
+                f"attention_backend='triton' does not implement sliding-window attention, which "
+                f"this model uses (sliding_window={model_config.sliding_window} in "
+                f"{len(model_config.sliding_window_layers)} of its "
+                f"{model_config.num_hidden_layers} layers): use attention_backend='torch'")
+
+        tp = self.tensor_parallel_size
+        executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if executor == "external_launcher" and int(os.environ.get("WORLD_SIZE", "0")) != tp:
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' needs one process per rank "
+                f"started by torchrun: WORLD_SIZE is {os.environ.get('WORLD_SIZE')!r}, "
+                f"tensor_parallel_size {tp}")
+        if executor == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in the engine core's process; "
+                f"tensor_parallel_size={tp} needs 'mp'")
+        from minivllm.model.parallel_layers import check_tensor_parallel_size
+
+        check_tensor_parallel_size(model_config, tp)
+        if tp > 1 and device.type == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            if n < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {n}")
 
         return EngineConfig(
             model_path=model_path,
@@ -141,6 +277,8 @@ class EngineArgs:
             use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
             compile=self.compile,
             multiprocess=self.multiprocess,
+            tensor_parallel_size=tp,
+            distributed_executor_backend=executor,
             trace_steps=self.trace_steps,
             scheduler_cls=self.scheduler_cls,
             kv_cache_manager_cls=self.kv_cache_manager_cls,
@@ -151,11 +289,13 @@ class EngineArgs:
             use_custom_ops=use_custom_ops,
         )
 
-    def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
+    def _resolve_kernels(self, device: torch.device,
+                         sliding_window: int | None = None) -> tuple[str, bool]:
         """The one place that picks the attention backend and the elementwise kernels.
 
-        Default: Triton on CUDA when triton is installed, plain torch elsewhere. Asking for
-        Triton where it cannot run is an error that says what is missing.
+        Default: Triton on CUDA when triton is installed, plain torch elsewhere (and for a
+        sliding-window model, which only the torch backend implements). Asking for Triton where
+        it cannot run is an error that says what is missing.
         """
         from minivllm.kernels import triton_unavailable_reason
 
@@ -167,7 +307,8 @@ class EngineArgs:
             raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
         missing = triton_unavailable_reason(device.type)
         backend = self.attention_backend or (
-            "triton" if device.type == "cuda" and missing is None else "torch")
+            "triton" if device.type == "cuda" and missing is None and sliding_window is None
+            else "torch")
         if backend == "triton" and missing:
             raise ValueError(f"attention_backend='triton' cannot run here: {missing}")
         if self.custom_ops == "all":
@@ -201,6 +342,10 @@ class EngineArgs:
         need_int("max_model_len", 2, optional=True)
         need_int("long_prefill_token_threshold", 0)
         need_int("trace_steps", 0)
+        need_int("tensor_parallel_size", 1)
+        if self.distributed_executor_backend not in (None,) + EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -267,6 +412,8 @@ class EngineConfig:
     use_cuda_graph: bool
     compile: bool
     multiprocess: bool
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
     trace_steps: int = 100_000
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
@@ -286,6 +433,34 @@ class EngineConfig:
         )
 
 
+def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tuple[int, ModelConfig]:
+    """The context length to serve: the model's own by default; a longer one only on request.
+
+    Past ``max_position_embeddings`` (stretched by rope scaling) the rotary table has no row: the
+    model would read positions it was never trained on. With the override the table is extended
+    to ``max_model_len`` (the rotary formula is defined everywhere) and a warning says that the
+    outputs may be wrong.
+    """
+    derived = model_config.derived_max_model_len
+    if asked is None:
+        return max(derived, 2), model_config
+    if asked < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {asked}")
+    if asked > derived:
+        msg = (f"max_model_len ({asked}) is longer than the model's derived maximum length "
+               f"({derived}: max_position_embeddings in its config.json, with rope scaling)")
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() not in ("1", "true"):
+            raise ValueError(
+                f"{msg}. Positions past it were never trained and may give wrong outputs. "
+                f"To allow it anyway, set the environment variable {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1"
+            )
+        warnings.warn(f"{msg}; allowed by {ALLOW_LONG_MAX_MODEL_LEN_ENV}: outputs past "
+                      f"{derived} tokens may be wrong", stacklevel=3)
+        if asked > model_config.max_position_embeddings:  # the rotary table must reach it
+            model_config = dataclasses.replace(model_config, max_position_embeddings=asked)
+    return asked, model_config
+
+
 def _resolve_class(name: str, value: type | str | None) -> type | None:
     """A class given as itself or as "package.module:Class" (what a command line can pass)."""
     if value is None or isinstance(value, type):
@@ -302,6 +477,8 @@ def _resolve_class(name: str, value: type | str | None) -> type | None:
 
 
 def _resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -311,8 +488,10 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    import torch
+
     if dtype != "auto":
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     if device.type != "cuda":
         return torch.float32  # CPUs run fp32 fastest and exactly
     # on a GPU, keep the checkpoint's half type; float32 checkpoints serve in bfloat16

@@ -7,19 +7,34 @@ value raises ``ValueError`` naming the field before any KV block is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, fields
 
 from minivllm.outputs import RequestOutputKind
 
 _EPS = 1e-5  # temperatures below this are treated as greedy
+# every integer field must fit an int64: the engine core's tensors, numpy rows, torch generators
+# and the msgpack messages between the processes all carry it as one (vLLM bounds seed the same)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (NaN and infinity would poison every logit they touch)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates ("\\ud800", which JSON can carry): no tokenizer,
+    msgpack message or HTTP response can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -52,8 +67,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # filled in by the engine: every token id that ends this request (EOS + stop_token_ids)
-    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,27 +81,32 @@ class SamplingParams:
 
     def _verify(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if not _is_int(self.top_k, lo=0):
+            raise ValueError(f"top_k must be an int in [0, 2**63) (0 or -1 disables it; the engine "
+                             f"clamps it to the vocabulary), got {self.top_k!r}")
+        if self.max_tokens is not None and not _is_int(self.max_tokens, lo=1):
+            raise ValueError(f"max_tokens must be an int in [1, 2**63), got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens, lo=0):
+            raise ValueError(f"min_tokens must be an int in [0, 2**63), got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        if not isinstance(self.stop, list) or not all(
+            isinstance(s, str) and s and is_utf8(s) for s in self.stop
         ):
-            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them (valid unicode), got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t, lo=0) for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of ints in [0, 2**63), got {self.stop_token_ids!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

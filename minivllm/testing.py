@@ -41,6 +41,15 @@ TINY_PRESETS: dict[str, dict] = {
     ),
 }
 
+# shapes for tensor parallelism at size 3 (the presets above have 4 heads): 6 query heads over one
+# KV head (multi-query), so each rank keeps a replica of the KV head
+TP_PRESETS: dict[str, dict] = {
+    "llama-mqa6": dict(
+        model_type="llama", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=False,
+    ),
+}
+
 # real shapes, random weights (for speed measurements)
 REAL_SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(
@@ -77,13 +86,14 @@ def make_checkpoint(
 ) -> str:
     """Write a random-weight checkpoint (config.json + model.safetensors) into ``folder``.
 
-    ``preset``: a key of TINY_PRESETS or REAL_SHAPES, or a dict of config fields.
+    ``preset``: a key of TINY_PRESETS, TP_PRESETS or REAL_SHAPES, or a dict of config fields.
     ``tokenizer_from``: a model folder whose tokenizer files are copied alongside.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(TINY_PRESETS.get(preset) or REAL_SHAPES.get(preset) or {}) if isinstance(
+    fields = dict(TINY_PRESETS.get(preset) or TP_PRESETS.get(preset) or REAL_SHAPES.get(preset)
+                  or {}) if isinstance(
         preset, str) else dict(preset)
     if not fields:
         raise ValueError(f"unknown preset {preset!r}")

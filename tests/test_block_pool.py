@@ -124,9 +124,38 @@ def test_prefix_caching_off_never_shares():
     assert not m.block_pool.cached_block_hash_to_block
 
 
-def test_duplicate_hash_keeps_first_block_in_map():
+def test_duplicate_hash_keeps_every_copy_until_each_is_evicted():
     pool = BlockPool(4)
+    h = b"h" * 32
     x, y = pool.get_new_blocks(2)
-    pool.cache_full_blocks([x], [b"h" * 32], 0, 1)
-    pool.cache_full_blocks([y], [b"h" * 32], 0, 1)
-    assert pool.get_cached_block(b"h" * 32) is x and y.block_hash is None
+    pool.cache_full_blocks([x], [h], 0, 1)
+    pool.cache_full_blocks([y], [h], 0, 1)
+    assert x.block_hash == y.block_hash == h
+    assert pool.get_cached_block(h) in (x, y)
+    pool.free_blocks([x, y])
+    assert pool.get_num_cached_free_blocks() == 2
+    # evicting one copy leaves the other reachable; evicting both forgets the hash
+    first = pool.get_new_blocks(3)[-1]  # the two never-used blocks, then x (LRU order)
+    assert first is x and x.block_hash is None
+    assert pool.get_cached_block(h) is y
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(h) is None and not pool.cached_block_hash_to_block
+
+
+def test_two_requests_computing_one_prefix_both_serve_later_hits():
+    """vLLM keeps every block of a hash: whichever copy is evicted first, a later request
+    with the prefix still hits the other."""
+    m = _manager(num_blocks=6, block_size=4)
+    prompt = list(range(8)) + [50]
+    a, b = Request.from_prompt("a", prompt), Request.from_prompt("b", prompt)
+    m.allocate_slots(a, 9)  # side by side: neither was cached when both were admitted
+    m.allocate_slots(b, 9)
+    m.free(a)
+    m.free(b)
+    a_ids = [x.block_id for x in m.block_pool.free_block_queue][:3]  # a's, freed first
+    # evict a's blocks (least recently used): b's copies remain, under the same hashes
+    evicted = m.block_pool.get_new_blocks(3)
+    assert sorted(x.block_id for x in evicted) == sorted(a_ids)
+    c = Request.from_prompt("c", prompt)
+    blocks, n = m.get_computed_blocks(c)
+    assert n == 8 and not {x.block_id for x in blocks} & set(a_ids)

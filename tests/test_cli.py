@@ -65,3 +65,32 @@ def test_bench_sim_small(tmp_path):
                "--chunk-sizes", "256", "--num-sessions", "20", "--system-prompt-len", "2000")
     assert out.returncode == 0, out.stderr
     assert "v1-256" in out.stdout and "system prompt" in out.stdout
+
+
+def test_every_engine_argument_has_its_flag_and_parses_back():
+    """The flags are generated from EngineArgs: each field (but the injectable classes) has one,
+    named as vLLM names it, and a command line round-trips to the same EngineArgs."""
+    import dataclasses
+
+    from minivllm.config import EngineArgs
+    from minivllm.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    for command in (["generate"], ["serve"], ["bench", "throughput"]):
+        args = parser.parse_args(command)
+        fields = {f.name for f in dataclasses.fields(EngineArgs) if not f.name.endswith("_cls")}
+        missing = {name for name in fields if not hasattr(args, name)}
+        assert not missing, (command, missing)
+        parsed = EngineArgs.from_cli_args(args)
+        expected = EngineArgs(**({"multiprocess": True, "trace_steps": 0}
+                                 if command == ["serve"] else {}))
+        assert parsed == expected, command
+    args = parser.parse_args(["generate", "--max-num-seqs", "7", "--no-enable-prefix-caching",
+                              "--kv-cache-memory-bytes", "1000", "--gpu-memory-utilization", "0.5",
+                              "--prefix-caching-hash-algo", "xxhash", "--tokenizer", "t",
+                              "--revision", "r", "--skip-tokenizer-init"])
+    parsed = EngineArgs.from_cli_args(args)
+    assert (parsed.max_num_seqs, parsed.enable_prefix_caching, parsed.kv_cache_memory_bytes,
+            parsed.gpu_memory_utilization, parsed.prefix_caching_hash_algo, parsed.tokenizer,
+            parsed.revision, parsed.skip_tokenizer_init) == (7, False, 1000, 0.5, "xxhash", "t",
+                                                              "r", True)

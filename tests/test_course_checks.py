@@ -543,14 +543,21 @@ class _OrderedDictPool:
         return 1 - len(self._free) / self.num_blocks
 
     def get_cached_block(self, block_hash):
-        return self.cached_block_hash_to_block.get(block_hash)
+        copies = self.cached_block_hash_to_block.get(block_hash)  # a list, earliest cached first
+        return copies[0] if copies else None
+
+    def _evict(self, b):
+        copies = self.cached_block_hash_to_block[b.block_hash]
+        copies.remove(b)
+        if not copies:
+            del self.cached_block_hash_to_block[b.block_hash]
+        b.block_hash = None
 
     def get_new_blocks(self, num_blocks):
         taken = [self._free.popitem(last=False)[1] for _ in range(num_blocks)]
         for b in taken:
             if b.block_hash is not None:
-                del self.cached_block_hash_to_block[b.block_hash]
-                b.block_hash = None
+                self._evict(b)
             b.ref_cnt = 1
         return taken
 
@@ -570,8 +577,9 @@ class _OrderedDictPool:
             return
         for b, h in zip(blocks[num_cached_blocks:num_full_blocks],
                         block_hashes[num_cached_blocks:num_full_blocks]):
-            if b.block_hash is None and h not in self.cached_block_hash_to_block:
-                b.block_hash, self.cached_block_hash_to_block[h] = h, b
+            if b.block_hash is None:
+                b.block_hash = h
+                self.cached_block_hash_to_block.setdefault(h, []).append(b)
 
     def reset_prefix_cache(self):
         if len(self._free) != self.num_blocks:
@@ -609,8 +617,7 @@ class _NewestFirst(_OrderedDictPool):
         taken = [self._free.popitem(last=True)[1] for _ in range(num_blocks)]
         for b in taken:
             if b.block_hash is not None:
-                del self.cached_block_hash_to_block[b.block_hash]
-                b.block_hash = None
+                self._evict(b)
             b.ref_cnt = 1
         return taken
 
@@ -663,7 +670,7 @@ def _corrupt_ref_cnt(sim):
 def _corrupt_map(sim):
     pool = sim.kv_cache_manager.block_pool
     h = _held(sim)[0].block_hash
-    pool.cached_block_hash_to_block[h] = _held(sim)[-1]
+    pool.cached_block_hash_to_block[h] = {_held(sim)[-1].block_id: _held(sim)[-1]}
 
 
 def _corrupt_stale_hash(sim):
@@ -671,7 +678,7 @@ def _corrupt_stale_hash(sim):
     block = _held(sim)[1]
     del pool.cached_block_hash_to_block[block.block_hash]
     block.block_hash = b"x" * 32
-    pool.cached_block_hash_to_block[block.block_hash] = block
+    pool.cached_block_hash_to_block[block.block_hash] = {block.block_id: block}
 
 
 def _corrupt_free_and_held(sim):

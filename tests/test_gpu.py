@@ -53,13 +53,14 @@ def _paged(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_long_contexts(dtype):
+    from minivllm.attention.torch_backend import paged_decode_attention as ref_decode
     from minivllm.kernels import decode_attention as da
 
     seq_lens = [1, 17, 1000, 5003, 32768, 20001]
     cache, table = _paged(seq_lens, 16, 8, 128, dtype)
     q = torch.randn(len(seq_lens), 16, 128, device="cuda").to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    expected = da.reference(q.float(), cache.float(), table, lens, 128**-0.5)
+    expected = ref_decode(q.float(), cache.float(), table, lens, 128**-0.5)
     for splits in (None, 1):
         out = da.paged_decode_attention(q, cache, table, lens, 128**-0.5, num_splits=splits)
         torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=0)
@@ -67,6 +68,7 @@ def test_decode_attention_long_contexts(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_chunks_and_prefixes(dtype):
+    from minivllm.attention.torch_backend import paged_prefill_attention as ref_prefill
     from minivllm.kernels import prefill_attention as pa
     from minivllm.kernels import reshape_and_cache as rc
 
@@ -82,7 +84,7 @@ def test_prefill_attention_chunks_and_prefixes(dtype):
         slots += [int(table[i, p // block_size]) * block_size + p % block_size for p in range(c, c + n)]
         qsl.append(qsl[-1] + n)
     rc.reshape_and_cache(k, v, cache, torch.tensor(slots, device="cuda"))
-    expected = pa.reference(q.float(), cache.float(), qsl, seq_lens, table, 128**-0.5)
+    expected = ref_prefill(q.float(), cache.float(), qsl, seq_lens, table, 128**-0.5)
     out = pa.paged_prefill_attention(q, cache, qsl, seq_lens, table, 128**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=0)
 
@@ -90,6 +92,9 @@ def test_prefill_attention_chunks_and_prefixes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_kernels(dtype):
     from minivllm.kernels import activation, rms_norm, rotary_embedding
+    from minivllm.model.layers import rms_norm as ref_rms_norm
+    from minivllm.model.layers import rotary_embedding as ref_rotary
+    from minivllm.model.layers import silu_and_mul as ref_silu_and_mul
     from minivllm.model.layers import RotaryEmbedding
 
     tol = dict(atol=TOL[dtype] * 4, rtol=TOL[dtype])
@@ -97,18 +102,18 @@ def test_elementwise_kernels(dtype):
     r = torch.randn(300, 1024, device="cuda").to(dtype)
     w = torch.randn(1024, device="cuda").to(dtype)
     out, res = rms_norm.rms_norm(x, w, 1e-6, r)
-    ref_out, ref_res = rms_norm.reference(x, w, 1e-6, r)
+    ref_out, ref_res = ref_rms_norm(x, w, 1e-6, r)
     torch.testing.assert_close(out.float(), ref_out.float(), **tol)
     torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
     gate_up = torch.randn(300, 2 * 3072, device="cuda").to(dtype)
     torch.testing.assert_close(activation.silu_and_mul(gate_up).float(),
-                               activation.reference(gate_up).float(), **tol)
+                               ref_silu_and_mul(gate_up).float(), **tol)
     cos_sin = RotaryEmbedding(128, 40960, 1e6).cos_sin_cache(torch.device("cuda"))
     qkv = torch.randn(300, (16 + 16) * 128, device="cuda").to(dtype)
     q, k = qkv[:, :2048].view(300, 16, 128), qkv[:, 2048:3072].view(300, 8, 128)
     pos = torch.randint(0, 40960, (300,), device="cuda")
     for a, b in zip(rotary_embedding.rotary_embedding(pos, q, k, cos_sin),
-                    rotary_embedding.reference(pos, q, k, cos_sin)):
+                    ref_rotary(pos, q, k, cos_sin)):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 

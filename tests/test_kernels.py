@@ -18,6 +18,14 @@ pytest.importorskip("triton")
 from minivllm.kernels import activation, decode_attention, prefill_attention  # noqa: E402
 from minivllm.kernels import reshape_and_cache, rms_norm, rotary_embedding  # noqa: E402
 
+# the torch references the kernels must equal (the engine's own torch path)
+from minivllm.attention.torch_backend import paged_decode_attention as ref_decode  # noqa: E402
+from minivllm.attention.torch_backend import paged_prefill_attention as ref_prefill  # noqa: E402
+from minivllm.attention.torch_backend import write_to_kv_cache as ref_write  # noqa: E402
+from minivllm.model.layers import rms_norm as ref_rms_norm  # noqa: E402
+from minivllm.model.layers import rotary_embedding as ref_rotary  # noqa: E402
+from minivllm.model.layers import silu_and_mul as ref_silu_and_mul  # noqa: E402
+
 ATOL = 2e-5  # float32: only the order of the sums differs
 
 
@@ -66,7 +74,7 @@ def test_reshape_and_cache_matches_reference(seed):
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(n, num_kv_heads, head_dim)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
     expected = cache.clone()
-    reshape_and_cache.reference(k, v, expected, slots)
+    ref_write(k, v, expected, slots)
     reshape_and_cache.reshape_and_cache(k, v, cache, slots)
     torch.testing.assert_close(cache, expected, atol=0, rtol=0)
 
@@ -83,7 +91,7 @@ def test_decode_attention_matches_reference(seed):
     q = torch.randn(num_seqs, num_heads, head_dim)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    expected = decode_attention.reference(q, cache, table, lens, scale)
+    expected = ref_decode(q, cache, table, lens, scale)
     # one partition, several (flash-decoding + reduce), and the automatic choice
     for num_splits in (1, rng.randint(2, 5), None):
         out = decode_attention.paged_decode_attention(q, cache, table, lens, scale,
@@ -98,7 +106,7 @@ def test_decode_grid_sized_for_longer_contexts_than_present():
     cache, table = _paged_context(rng, [37, 5, 1], 16, 2, 32)
     q = torch.randn(3, 4, 32)
     lens = torch.tensor([37, 5, 1], dtype=torch.int32)
-    expected = decode_attention.reference(q, cache, table, lens, 0.2)
+    expected = ref_decode(q, cache, table, lens, 0.2)
     out = decode_attention.paged_decode_attention(q, cache, table, lens, 0.2, max_seq_len=4096)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     empty = decode_attention.paged_decode_attention(
@@ -113,7 +121,7 @@ def test_decode_writes_into_out_slice():
     lens = torch.tensor([20, 9], dtype=torch.int32)
     buf = torch.full((5, 4, 16), float("nan"))
     decode_attention.paged_decode_attention(q, cache, table, lens, 0.25, out=buf[1:3])
-    torch.testing.assert_close(buf[1:3], decode_attention.reference(q, cache, table, lens, 0.25),
+    torch.testing.assert_close(buf[1:3], ref_decode(q, cache, table, lens, 0.25),
                                atol=ATOL, rtol=0)
     assert buf[0].isnan().all() and buf[3:].isnan().all()
 
@@ -125,7 +133,7 @@ def test_decode_attention_largest_shape():
     cache, table = _paged_context(rng, seq_lens, 16, 8, 128)
     q = torch.randn(2, 16, 128)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    expected = decode_attention.reference(q, cache, table, lens, 128**-0.5)
+    expected = ref_decode(q, cache, table, lens, 128**-0.5)
     out = decode_attention.paged_decode_attention(q, cache, table, lens, 128**-0.5)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
@@ -145,7 +153,7 @@ def _prefill_case(rng, query_lens, context_lens, num_kv_heads, num_heads, head_d
         for p in range(c, c + n):
             slots.append(int(table[i, p // block_size]) * block_size + p % block_size)
         qsl.append(qsl[-1] + n)
-    reshape_and_cache.reference(k, v, cache, torch.tensor(slots))
+    ref_write(k, v, cache, torch.tensor(slots))
     return q, k, v, cache, table, qsl, seq_lens
 
 
@@ -162,7 +170,7 @@ def test_prefill_attention_matches_reference(seed):
     q, k, v, cache, table, qsl, seq_lens = _prefill_case(
         rng, query_lens, context_lens, num_kv_heads, num_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, scale)
+    expected = ref_prefill(q, cache, qsl, seq_lens, table, scale)
     out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, scale)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     # device tensors instead of lists give the same answer
@@ -176,7 +184,7 @@ def test_prefill_attention_largest_shape():
     """Qwen3-0.6B's attention shape: a 100-token chunk after a 150-token prefix, a fresh prompt."""
     rng = random.Random(12)
     q, k, v, cache, table, qsl, seq_lens = _prefill_case(rng, [100, 40], [150, 0], 8, 16, 128, 16)
-    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, 128**-0.5)
+    expected = ref_prefill(q, cache, qsl, seq_lens, table, 128**-0.5)
     out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, 128**-0.5)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
@@ -192,9 +200,9 @@ def test_rms_norm_matches_reference(seed):
     residual = torch.randn(rows, hidden, generator=gen)
     weight = torch.randn(hidden, generator=gen)
     torch.testing.assert_close(rms_norm.rms_norm(x, weight, 1e-6),
-                               rms_norm.reference(x, weight, 1e-6), atol=ATOL, rtol=1e-6)
+                               ref_rms_norm(x, weight, 1e-6), atol=ATOL, rtol=1e-6)
     out, new_res = rms_norm.rms_norm(x, weight, 1e-5, residual)
-    ref_out, ref_res = rms_norm.reference(x, weight, 1e-5, residual)
+    ref_out, ref_res = ref_rms_norm(x, weight, 1e-5, residual)
     torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=1e-6)
     torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
 
@@ -206,7 +214,7 @@ def test_rms_norm_over_heads_of_a_strided_view():
     weight = torch.randn(32)
     out = rms_norm.rms_norm(q, weight, 1e-6)
     assert out.shape == q.shape
-    torch.testing.assert_close(out, rms_norm.reference(q, weight, 1e-6), atol=ATOL, rtol=1e-6)
+    torch.testing.assert_close(out, ref_rms_norm(q, weight, 1e-6), atol=ATOL, rtol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -224,7 +232,7 @@ def test_rotary_embedding_matches_reference(seed):
     q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(n, num_kv_heads, head_dim)
     q_out, k_out = rotary_embedding.rotary_embedding(positions, q, k, cos_sin)
-    q_ref, k_ref = rotary_embedding.reference(positions, q, k, cos_sin)
+    q_ref, k_ref = ref_rotary(positions, q, k, cos_sin)
     torch.testing.assert_close(q_out, q_ref, atol=ATOL, rtol=1e-6)
     torch.testing.assert_close(k_out, k_ref, atol=ATOL, rtol=1e-6)
 
@@ -232,7 +240,7 @@ def test_rotary_embedding_matches_reference(seed):
 @pytest.mark.parametrize("d,rows", [(64, 33), (96, 5), (1500, 3)])
 def test_silu_and_mul_matches_reference(d, rows):
     x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(d)) * 4
-    torch.testing.assert_close(activation.silu_and_mul(x), activation.reference(x),
+    torch.testing.assert_close(activation.silu_and_mul(x), ref_silu_and_mul(x),
                                atol=ATOL, rtol=1e-6)
     x3 = x.view(1, rows, 2 * d)
     assert activation.silu_and_mul(x3).shape == (1, rows, d)

@@ -122,3 +122,35 @@ def test_preempted_request_recomputes_from_its_cached_prefix():
 
 def test_v0_scheduler_is_a_drop_in_subclass():
     assert issubclass(PhaseSeparatedScheduler, Scheduler)
+
+
+def _scheduler(cls=Scheduler, caching=True):
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    return cls(cfg, KVCacheManager(32, 4, enable_caching=caching))
+
+
+def test_a_request_with_nothing_to_compute_is_skipped_not_an_error():
+    """schedule() twice before the runner's output (or a runner that sampled nothing): the
+    running request has 0 new tokens; it is left out of the step, as vLLM does."""
+    from minivllm.core.sched_output import ModelRunnerOutput
+
+    for cls in (Scheduler, PhaseSeparatedScheduler):
+        s = _scheduler(cls)
+        s.add_request(Request.from_prompt("a", list(range(6))))
+        first = s.schedule()
+        assert first.num_scheduled_tokens == {"a": 6}
+        second = s.schedule()  # a's token is not back yet
+        assert second.total_num_scheduled_tokens == 0 and not second.num_scheduled_tokens
+        s.update_from_output(first, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]]))
+        assert s.schedule().num_scheduled_tokens == {"a": 1}
+        # a runner that sampled nothing for it: skipped again, still no error
+        assert s.schedule().total_num_scheduled_tokens == 0
+
+
+def test_prefix_cache_counters_stay_empty_with_caching_off():
+    on, off = _scheduler(caching=True), _scheduler(caching=False)
+    for s in (on, off):
+        s.add_request(Request.from_prompt("a", list(range(9))))
+        s.schedule()
+    assert on.get_stats()["prefix_cache_queries"] == 9
+    assert off.get_stats()["prefix_cache_queries"] == 0 and off.get_stats()["prefix_cache_hits"] == 0

@@ -109,3 +109,19 @@ def test_budget_too_small_without_chunking(tiny_llama):
 def test_kv_cache_too_small_for_max_model_len(tiny_llama):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_llama, show_progress=False, max_model_len=256, num_kv_blocks=4, block_size=16)
+
+
+def test_aborted_requests_reach_the_runner_even_when_nothing_is_scheduled(llm):
+    """The core hands finished ids to the runner on a step that computes nothing, so the
+    runner's persistent batch never keeps the row of a request that is gone."""
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    runner_rows = core.model_runner.input_batch.req_id_to_index
+    engine.add_request("gone", "hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert "gone" in runner_rows
+    engine.abort_request("gone")
+    engine.step()  # nothing left to schedule
+    assert "gone" not in runner_rows
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["kv_blocks_used"] == 0

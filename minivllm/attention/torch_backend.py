@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+from minivllm.utils import cdiv
 
 # padded work a plan may add on top of the exact work before it splits into more groups
 MAX_PADDING = 0.2
@@ -53,7 +54,7 @@ def gather_context(
     """[num_blocks, block_size, kv_heads, d] + [seqs, blocks] -> [seqs, num_tokens, kv_heads, d]."""
     block_size = cache.shape[1]
     num_seqs = block_tables.shape[0]
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1)
     # index_select copies whole blocks (contiguous memory): far faster than fancy indexing
     ctx = torch.index_select(cache, 0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
@@ -75,6 +76,21 @@ class AttentionGroup:
     # where the real (unpadded) queries sit in the padded ones; None: no padding
     real_queries: torch.Tensor | None
     out_index: torch.Tensor  # [real queries] token of the batch each result belongs to
+    # [num_seqs, 1, query_pad, 1] each query's position (0 for padding queries): what a
+    # sliding-window layer narrows the mask with
+    positions: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # built once per step
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """The full causal mask, or (sliding window w) only keys p - w < k <= p."""
+        if sliding_window is None:
+            return self.mask
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            keys = torch.arange(self.kv_len, device=self.mask.device)
+            mask = self.mask & (keys > self.positions - sliding_window)
+            self.window_masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -125,7 +141,7 @@ def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block
     g = len(seqs)
     q_lens, s_lens = query_lens[seqs], seq_lens[seqs]
     query_pad = int(q_lens.max())
-    num_blocks = -(-int(s_lens.max()) // block_size)
+    num_blocks = cdiv(int(s_lens.max()), block_size)
     kv_len = num_blocks * block_size
 
     offsets = np.arange(query_pad)
@@ -137,6 +153,7 @@ def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block
     keys = np.arange(kv_len)
     mask = keys[None, None, :] <= pos[:, :, None]
     mask[~real] = keys == 0
+    pos = np.where(real, pos, 0)  # a padding query keeps key 0 under any window
 
     rows = torch.from_numpy(seqs).to(device)
     block_ids = block_tables.index_select(0, rows)[:, :num_blocks].reshape(-1)
@@ -148,12 +165,15 @@ def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block
         mask=torch.from_numpy(mask[:, None]).to(device),
         real_queries=torch.from_numpy(np.flatnonzero(real)).to(device) if padded else None,
         out_index=torch.from_numpy(token[real]).to(device),
+        positions=torch.from_numpy(pos[:, None, :, None]).to(device),
     )
 
 
 def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
-                 out: torch.Tensor) -> None:
-    """One group's attention: gather its blocks once, one masked SDPA call, scatter results."""
+                 out: torch.Tensor, sliding_window: int | None = None) -> None:
+    """One group's attention: gather its blocks once, one masked SDPA call, scatter results.
+    A sliding-window layer uses the same call with a narrower mask (still reading the whole
+    context: simple, and exact)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     g, qp, L = group.num_seqs, group.query_pad, group.kv_len
@@ -161,7 +181,8 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
     k = kv_cache[0].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
     v = kv_cache[1].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=group.mask, scale=scale, enable_gqa=True)
+                                       attn_mask=group.mask_for(sliding_window), scale=scale,
+                                       enable_gqa=True)
     o = o.transpose(1, 2).reshape(g * qp, num_heads, head_dim)
     if group.real_queries is not None:
         o = o.index_select(0, group.real_queries)
@@ -217,7 +238,8 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_decodes,
             metadata.block_tables, block_size))
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None):
         n = metadata.num_actual_tokens
         slots = metadata.slot_mapping[:n]  # real tokens never have a negative slot
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -227,5 +249,5 @@ class TorchAttentionBackend(AttentionBackend):
             metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in metadata.groups:
-            attend_group(q, kv_cache, group, scale, out)
+            attend_group(q, kv_cache, group, scale, out, sliding_window)
         return out

@@ -19,6 +19,8 @@ BENCHMARKS = {
     "serve-compare": "minivllm.benchmarks.serve_compare",
     "decode-roofline": "minivllm.benchmarks.decode_roofline",
     "overhead": "minivllm.benchmarks.overhead",
+    "soak": "minivllm.benchmarks.soak",
+    "tp": "minivllm.benchmarks.tensor_parallel",
 }
 
 

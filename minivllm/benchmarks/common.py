@@ -9,6 +9,8 @@ import os
 import platform
 import random
 
+from minivllm.utils import percentile, stall_window  # noqa: F401  (re-exported)
+
 
 def machine_info() -> dict:
     import torch
@@ -39,36 +41,6 @@ def write_json(path: str | None, result: dict) -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {path}")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def stall_window(
-    token_times: list[list[float]], arrival: float, window_end: float, steady_span: float
-) -> tuple[list[float], list[float]]:
-    """Split the gaps between consecutive output tokens around a long prompt's arrival.
-
-    Returns (steady, window): ``steady`` holds the gaps that ended within ``steady_span`` seconds
-    before ``arrival``; ``window`` the gaps that ended after it and began before ``window_end``
-    (the long prompt's first token) — the decodes that shared the machine with its prefill.
-    """
-    steady, window = [], []
-    for times in token_times:
-        for a, b in zip(times, times[1:]):
-            if arrival - steady_span < b <= arrival:
-                steady.append(b - a)
-            elif arrival < b and a < window_end:
-                window.append(b - a)
-    return steady, window
 
 
 class ServerProcess:

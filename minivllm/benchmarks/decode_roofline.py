@@ -22,6 +22,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, percentile, write_json
+from minivllm.utils import cdiv
 
 
 def add_parser(subparsers, add_engine_args) -> None:
@@ -67,7 +68,10 @@ def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from minivllm.model.parallel_layers import ParallelLMHead
+
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, ParallelLMHead))]
     dtype, device = weights[0].dtype, weights[0].device
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=device)
               for w in weights}
@@ -93,7 +97,7 @@ def main(args) -> int:
     kwargs = engine_kwargs(args)
     if kwargs.get("num_kv_blocks") is None:  # room for every sequence at once: no preemption
         bs = kwargs.get("block_size") or 16
-        kwargs["num_kv_blocks"] = sum(-(-(n + args.steps + 4) // bs) for n in lens) + 8
+        kwargs["num_kv_blocks"] = sum(cdiv(n + args.steps + 4, bs) for n in lens) + 8
     kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, args.batch)
     kwargs["max_model_len"] = kwargs.get("max_model_len") or hi + args.steps + 8
     kwargs["enable_prefix_caching"] = False  # random prompts: nothing to share anyway

@@ -21,6 +21,7 @@ import time
 import torch
 
 from minivllm.benchmarks.common import machine_info, write_json
+from minivllm.utils import cdiv
 
 H200_HBM_BYTES_PER_S = 4.8e12  # the reference GPU's peak HBM bandwidth (GPU.md)
 H200_BF16_FLOPS = 790e12  # and its dense bf16 peak
@@ -60,7 +61,7 @@ def _timer(device: torch.device, fn, iters: int) -> float:
 
 def _scattered_cache(num_seqs, seq_len, s, device, gen):
     """A KV cache holding num_seqs contexts of seq_len tokens in randomly placed blocks."""
-    blocks_per_seq = -(-seq_len // s["block_size"])
+    blocks_per_seq = cdiv(seq_len, s["block_size"])
     num_blocks = num_seqs * blocks_per_seq
     cache = torch.randn(2, num_blocks, s["block_size"], s["num_kv_heads"], s["head_dim"],
                         generator=gen, device=device).to(s["dtype"])

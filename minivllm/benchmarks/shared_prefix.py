@@ -13,6 +13,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, write_json
+from minivllm.utils import cdiv
 
 
 def add_parser(subparsers, add_engine_args) -> None:
@@ -36,7 +37,7 @@ def run_once(model, caching: bool, prompts: list[list[int]], output_len: int, **
 
     block_size = 16
     max_len = max(len(p) for p in prompts) + output_len
-    need = len(prompts) * -(-max_len // block_size)
+    need = len(prompts) * cdiv(max_len, block_size)
     llm = LLM(model, show_progress=False, enable_prefix_caching=caching, num_kv_blocks=need + 16,
               block_size=block_size, max_model_len=max_len, **engine_args)
     engine = llm.llm_engine
@@ -75,7 +76,7 @@ def main(args) -> int:
     off = run_once(args.model, False, prompts, args.output_len)
     same = on.pop("outputs") == off.pop("outputs")
     block = 16
-    own = -(-(args.prefix_len + args.question_len + args.output_len) // block) - args.prefix_len // block
+    own = cdiv(args.prefix_len + args.question_len + args.output_len, block) - args.prefix_len // block
     expected = args.prefix_len // block + args.num_requests * own
     print(f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix "
           f"(+{args.question_len} own tokens, {args.output_len} output tokens)")

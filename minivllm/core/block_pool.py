@@ -5,6 +5,8 @@ Every KV block is in exactly one of three states (chapter 06 draws them):
 * in use      — ``ref_cnt > 0``: one or more running requests hold it (shared prefixes: many);
 * cached-free — ``ref_cnt == 0`` but still carrying its ``block_hash``: its K/V stay valid, it
                 sits in the free queue, and a new request with the same prefix can revive it;
+                several blocks may carry one hash (two requests computed the same prefix side
+                by side): each stays reachable by that hash until it is evicted itself;
 * free        — ``ref_cnt == 0``, no hash: plain free space.
 
 Free blocks are kept in a doubly linked queue, least recently freed at the head. New blocks
@@ -85,18 +87,22 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> {block_id: block}, every block that carries the hash (vLLM's BlockHashToBlockMap)
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
 
     # -- lookups ---------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        """A block carrying this hash (the earliest cached of its copies), or None."""
+        copies = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(copies.values())) if copies else None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
     def get_num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a hash (reusable by a cache hit until evicted)."""
-        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+        return sum(1 for copies in self.cached_block_hash_to_block.values()
+                   for b in copies.values() if b.ref_cnt == 0)
 
     def get_usage(self) -> float:
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
@@ -117,8 +123,11 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
+        copies = self.cached_block_hash_to_block.get(block.block_hash)
+        if copies is not None and copies.get(block.block_id) is block:
+            del copies[block.block_id]
+            if not copies:
+                del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -147,7 +156,8 @@ class BlockPool:
         """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map.
 
         If another block already holds the same hash (two requests computed the same prefix
-        side by side), the existing entry stays and this block simply remains unhashed.
+        side by side), both are kept under it: whichever is evicted first, the other still
+        serves a later request's cache hit.
         """
         if not self.enable_caching:
             return
@@ -156,10 +166,8 @@ class BlockPool:
             if block.block_hash is not None:
                 continue  # a cache hit: already named
             h = block_hashes[i]
-            if h in self.cached_block_hash_to_block:
-                continue
             block.block_hash = h
-            self.cached_block_hash_to_block[h] = block
+            self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only when no block is in use). Returns whether it did."""

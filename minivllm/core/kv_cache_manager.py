@@ -25,10 +25,7 @@ from collections.abc import Callable
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.core.kv_cache_utils import BlockHash, update_block_hashes
 from minivllm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from minivllm.utils import cdiv
 
 
 class KVCacheManager:
@@ -43,7 +40,6 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.hash_algo = hash_algo
         # extends request.block_hashes to cover its full blocks, and returns them
         self.block_hasher = block_hasher or functools.partial(update_block_hashes, algo=hash_algo)
         self.block_pool = block_pool_cls(num_blocks, enable_caching)
@@ -117,10 +113,6 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

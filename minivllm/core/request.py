@@ -9,9 +9,8 @@ does not need to know which is which (chapter 05).
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
 
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.sampling_params import SamplingParams
 
 
@@ -38,18 +37,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass
-class EngineCoreRequest:
-    """What the front end sends the engine core: token ids, never text."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.time)
-    cache_salt: str | None = None
 
 
 class Request:

@@ -78,19 +78,3 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
 
 
-@dataclass
-class EngineCoreOutput:
-    """New tokens (and maybe the end) of one request, as the core reports them."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    timestamp: float = 0.0  # wall time the step that produced these tokens ended
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus, check_stop
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.core.sched_output import (
     CachedRequestData,
-    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -141,8 +141,11 @@ class Scheduler:
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_cached
+        if getattr(self.kv_cache_manager, "enable_caching", True):
+            # counted only with prefix caching on: off, the hit rate has no data (as vLLM's),
+            # rather than a misleading 0%
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
             request.num_cached_tokens = num_cached
@@ -206,6 +209,11 @@ class Scheduler:
             if self.long_prefill_token_threshold:
                 num_new = min(num_new, self.long_prefill_token_threshold)
             num_new = min(num_new, budget)
+            if num_new <= 0:
+                # nothing left to compute (schedule() ran again before the runner's output came
+                # back, or the runner sampled nothing for it): skip it this step, as vLLM does
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break
             entries.append((request, num_new))

@@ -36,6 +36,9 @@ class PhaseSeparatedScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_tokens <= request.num_computed_tokens:
+                i += 1  # its last token is not back from the runner yet: nothing to compute
+                continue
             if not self._allocate_or_preempt(request, 1, preempted):
                 break
             entries.append((request, 1))

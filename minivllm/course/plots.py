@@ -4,6 +4,8 @@ and the KV block map by block state (chapter 06)."""
 
 from __future__ import annotations
 
+from minivllm.utils import cdiv
+
 
 def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: int = 16,
                    title: str | None = None, colors: dict[str, object] | None = None) -> dict:
@@ -25,7 +27,7 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     for rid, blocks in tables.items():
         for i, b in enumerate(blocks):
             owner[b] = (rid, i)
-    rows = -(-num_blocks // columns)
+    rows = cdiv(num_blocks, columns)
     for b in range(num_blocks):
         r, c = divmod(b, columns)
         rid, i = owner.get(b, (None, None))
@@ -184,7 +186,7 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
     place = {b: i + 1 for i, b in enumerate(states["free_order"])}
     blues = plt.get_cmap("Blues")
     num_blocks = len(ref_cnt)
-    rows = -(-num_blocks // columns)
+    rows = cdiv(num_blocks, columns)
     for b in range(num_blocks):
         r, c = divmod(b, columns)
         x, y = c, rows - 1 - r

@@ -14,11 +14,9 @@ cache manager, so nothing an earlier run computed or cached is reused.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from contextlib import contextmanager
 
-from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.builder import build_scheduler_from_config
 from minivllm.course.views import engine_core
 
 # what a swap may change: how requests are scheduled, never the model or the cache's layout
@@ -49,28 +47,15 @@ def swapped_scheduler(llm, **overrides):
         raise ValueError(f"num_kv_blocks={num_blocks}: the KV cache holds only {capacity} blocks")
     config = dataclasses.replace(llm.engine_args, **overrides).create_config()
 
-    from minivllm.engine.core import SCHEDULER_CLASSES
-
-    kv_cache_manager = (config.kv_cache_manager_cls or KVCacheManager)(
-        num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-        hash_algo=config.prefix_caching_hash_algo,
-        block_pool_cls=config.block_pool_cls or BlockPool,
-    )
-    scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
-    scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
     if config.max_num_seqs > core.config.max_num_seqs:
         raise ValueError(f"max_num_seqs={config.max_num_seqs}: the engine was built for at most "
                          f"{core.config.max_num_seqs}")
-    saved = core.scheduler, core.step_trace, core.num_steps
-    # requests that ended but the model runner has not heard of yet: the next step tells it
-    scheduler.finished_req_ids |= saved[0].finished_req_ids
-    saved[0].finished_req_ids = set()
-    core.scheduler, core.step_trace, core.num_steps = scheduler, deque(maxlen=saved[1].maxlen), 0
+    scheduler = build_scheduler_from_config(config, num_blocks)
+    own = core.replace_scheduler(scheduler)  # (scheduler, step trace, step count)
     try:
         yield scheduler
     finally:
         left = list(engine.output_processor.requests)
         if left:
             engine.abort_request(left)
-        saved[0].finished_req_ids |= scheduler.finished_req_ids
-        core.scheduler, core.step_trace, core.num_steps = saved
+        core.replace_scheduler(*own)

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import AsyncGenerator
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.core_client import make_async_client
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.output_processor import OutputProcessor

@@ -2,7 +2,10 @@
 
 ``EngineCore.step()`` is the heartbeat of the whole system:
 
-    scheduler.schedule()  ->  model_runner.execute_model()  ->  scheduler.update_from_output()
+    scheduler.schedule()  ->  model_executor.execute_model()  ->  scheduler.update_from_output()
+
+The executor (``minivllm/executor/``) runs the step on the model: in this process (one rank),
+or on one worker process per tensor-parallel rank, to which it broadcasts the scheduler output.
 
 It knows nothing of text, HTTP or asyncio, which is what lets it run in a process of its own
 (``core_proc.py``) while the front end tokenizes and streams.
@@ -14,22 +17,29 @@ import time
 from collections import deque
 
 from minivllm.config import EngineConfig
-from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
-from minivllm.core.request import EngineCoreRequest, Request
+from minivllm.core.builder import build_scheduler_from_config
+from minivllm.core.request import Request
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.core.scheduler import Scheduler
-from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
-from minivllm.core.sched_output import EngineCoreOutput
-from minivllm.worker.model_runner import ModelRunner
-
-SCHEDULER_CLASSES = {"v1": Scheduler, "v0": PhaseSeparatedScheduler}
+from minivllm.engine.messages import EngineCoreOutput
+from minivllm.executor import Executor
+from minivllm.utils import cdiv
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.model_runner = (config.model_runner_cls or ModelRunner)(config, show_progress=show_progress)
-        num_blocks = self.model_runner.determine_num_blocks()
+        self.model_executor = Executor.get_class(config)(config, show_progress=show_progress)
+        # the runner itself, when it lives in this process (single-process executor)
+        self.model_runner = getattr(self.model_executor, "model_runner", None)
+        try:
+            self._init_kv_cache_and_scheduler(config)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+
+    def _init_kv_cache_and_scheduler(self, config: EngineConfig) -> None:
+        num_blocks = self.model_executor.determine_num_blocks()
         needed = cdiv(config.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -37,18 +47,31 @@ class EngineCore:
                 f"{config.block_size} tokens, but the KV cache holds only {num_blocks}: lower "
                 "max_model_len, or raise num_kv_blocks / kv_cache_memory_bytes"
             )
-        self.model_runner.initialize_kv_cache(num_blocks)
-        kv_cache_manager = (config.kv_cache_manager_cls or KVCacheManager)(
-            num_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo,
-            block_pool_cls=config.block_pool_cls or BlockPool,
-        )
-        scheduler_cls = config.scheduler_cls or SCHEDULER_CLASSES[config.scheduler]
-        self.scheduler = scheduler_cls(config.scheduler_config(), kv_cache_manager)
+        self.model_executor.initialize_kv_cache(num_blocks)
+        self.scheduler: Scheduler = build_scheduler_from_config(config, num_blocks)
         self.num_steps = 0
         self.step_trace: deque[dict] = deque(maxlen=config.trace_steps)
+
+    def replace_scheduler(self, scheduler: Scheduler, step_trace: deque | None = None,
+                          num_steps: int = 0) -> tuple[Scheduler, deque, int]:
+        """Put ``scheduler`` in charge of the next steps; return what it replaces.
+
+        Only between requests (none unfinished). Requests that ended but whose end the model
+        runner has not been told yet are handed to the new scheduler, which tells it on its first
+        step. The step trace and the step count start over (or take the given ones). Returns the
+        old scheduler, trace and step count, which a second call puts back. The course uses this
+        to run one loaded model under several schedulers.
+        """
+        if self.scheduler.has_unfinished_requests():
+            raise ValueError("the engine still has unfinished requests: finish or abort them first")
+        old = self.scheduler, self.step_trace, self.num_steps
+        scheduler.finished_req_ids |= old[0].finished_req_ids
+        old[0].finished_req_ids = set()
+        self.scheduler = scheduler
+        self.step_trace = step_trace if step_trace is not None else deque(
+            maxlen=self.step_trace.maxlen)
+        self.num_steps = num_steps
+        return old
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(request))
@@ -60,15 +83,20 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not getattr(
+                self.scheduler, "finished_req_ids", None):
             return []
         start = time.time()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.total_num_scheduled_tokens:
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                # nothing to compute, but the runner must still forget these requests (their
+                # rows in its persistent batch), or it would hold them until a later step
+                self.model_runner.execute_model(scheduler_output)
             return []
         # labelled before update_from_output, which forgets the requests that finish
         kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         end = time.time()
         for out in outputs:
@@ -117,3 +145,12 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_broadcast_stats(self) -> dict:
+        """Steps broadcast to the tensor-parallel workers, their bytes and the seconds spent
+        pickling and sending them (empty with the single-process executor)."""
+        get = getattr(self.model_executor, "get_broadcast_stats", None)
+        return get() if get else {}
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -18,8 +18,8 @@ import itertools
 import threading
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.core import EngineCore
 from minivllm.engine.core_proc import EngineCoreProc, configure_cpu_threads
 from minivllm.engine.exceptions import EngineDeadError
@@ -44,7 +44,7 @@ class InprocClient:
         return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 def make_client(config: EngineConfig, show_progress: bool = True):
@@ -177,6 +177,7 @@ class AsyncInprocClient(AsyncClientBase):
         self.proc.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine_core.shutdown()
 
 
 def make_async_client(config: EngineConfig, show_progress: bool = True):

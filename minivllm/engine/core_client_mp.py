@@ -20,6 +20,7 @@ import multiprocessing
 import shutil
 import tempfile
 import threading
+import traceback
 import weakref
 from collections import deque
 
@@ -31,8 +32,8 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     ) from e
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine import serial
 from minivllm.engine.core_client import AsyncClientBase
 from minivllm.engine.core_proc import run_engine_core
@@ -187,6 +188,8 @@ class AsyncMPClient(MPClient, AsyncClientBase):
         self._receiver.start()
 
     def _process_outputs_socket(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Receive and decode the core's outputs. Any failure here is fatal (no output could
+        reach a request any more): every request in flight fails with EngineDeadError."""
         socket = self.output_socket  # used by this thread only from now on
         try:
             while not self.resources.shutting_down:
@@ -197,8 +200,15 @@ class AsyncMPClient(MPClient, AsyncClientBase):
                     if not self.resources.shutting_down:
                         loop.call_soon_threadsafe(self._set_dead, self._dead_detail())
                     return
-        except RuntimeError:  # the event loop was closed under us: nobody is listening
-            return
+        except Exception as e:
+            if self.resources.shutting_down:
+                return
+            traceback.print_exc()
+            detail = f"the front end's output thread failed: {type(e).__name__}: {e}"
+            try:
+                loop.call_soon_threadsafe(self._set_dead, detail)
+            except RuntimeError:  # the event loop was closed under us: nobody is listening
+                pass
 
     @property
     def is_dead(self) -> bool:

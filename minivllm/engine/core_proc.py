@@ -38,6 +38,9 @@ ADD, ABORT, UTILITY, SHUTDOWN = (
     EngineCoreRequestType.UTILITY,
     EngineCoreRequestType.SHUTDOWN,
 )
+# put in the input queue by a thread of the core process that failed: the busy loop raises it,
+# so the front end hears of it (EngineDeadError) instead of waiting forever for that thread
+THREAD_FAILED = "thread_failed"
 
 
 class EngineCoreProc:
@@ -89,6 +92,8 @@ class EngineCoreProc:
             self.output_put(EngineCoreOutputs(utility_output=self._call_utility(call_id, method, args)))
         elif kind == SHUTDOWN:
             self.running = False
+        elif kind == THREAD_FAILED:
+            raise RuntimeError(payload)
 
     def _call_utility(self, call_id: int, method: str, args) -> UtilityOutput:
         if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
@@ -156,7 +161,8 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
     stop = threading.Event()
     reader = threading.Thread(target=_process_input_socket, args=(in_socket, proc.input_queue, stop),
                               daemon=True, name="EngineCoreInput")
-    writer = threading.Thread(target=_process_output_socket, args=(out_socket, output_queue),
+    writer = threading.Thread(target=_process_output_socket,
+                              args=(out_socket, output_queue, proc.input_queue),
                               daemon=True, name="EngineCoreOutput")
     reader.start()
     writer.start()
@@ -169,6 +175,7 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
         traceback.print_exc()
         code = 1
     finally:
+        engine_core.shutdown()  # stop the tensor-parallel workers, if any
         stop.set()
         output_queue.put(None)  # let the writer flush what is left (an engine_error, say)
         reader.join(timeout=2)
@@ -178,20 +185,39 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
 
 
 def _process_input_socket(socket, input_queue: queue.Queue, stop: threading.Event) -> None:
+    """Read and decode messages into the busy loop's queue. Any failure here (a message that
+    does not decode, a socket error) is fatal: without this thread no request can arrive."""
     from minivllm.engine import serial
 
-    while not stop.is_set():
-        if socket.poll(100):
-            input_queue.put(serial.decode_request(socket.recv_multipart(copy=False)))
-    socket.close(linger=0)
+    try:
+        while not stop.is_set():
+            if socket.poll(100):
+                input_queue.put(serial.decode_request(socket.recv_multipart(copy=False)))
+    except Exception:
+        input_queue.put((THREAD_FAILED, f"the engine core's input thread failed:\n"
+                                        f"{traceback.format_exc()}"))
+    finally:
+        socket.close(linger=0)
 
 
-def _process_output_socket(socket, output_queue: queue.Queue) -> None:
+def _process_output_socket(socket, output_queue: queue.Queue, input_queue: queue.Queue) -> None:
+    """Encode and send what the busy loop produced. A failure is fatal too: it tries to tell
+    the front end directly (a plain error message still encodes), then stops the busy loop,
+    whose process exits (which the front end notices even if the message could not go)."""
     from minivllm.engine import serial
 
-    while (item := output_queue.get()) is not None:
-        socket.send(serial.encode(item))
-    socket.close(linger=1000)
+    try:
+        while (item := output_queue.get()) is not None:
+            socket.send(serial.encode(item))
+    except Exception:
+        error = f"the engine core's output thread failed:\n{traceback.format_exc()}"
+        try:
+            socket.send(serial.encode(EngineCoreOutputs(engine_error=error)))
+        except Exception:
+            pass
+        input_queue.put((THREAD_FAILED, error))
+    finally:
+        socket.close(linger=1000)
 
 
 def _exit_with_parent() -> None:

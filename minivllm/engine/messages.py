@@ -1,4 +1,4 @@
-"""What the front end and the engine core say to each other, besides requests and tokens.
+"""What the front end and the engine core say to each other: every message type in one place.
 
 ``EngineCoreRequest`` (token ids + SamplingParams) goes in, ``EngineCoreOutputs`` come out: one
 per busy-loop iteration, carrying the new tokens of every request that advanced, the scheduler's
@@ -10,10 +10,41 @@ utility call when there was one. Plain dataclasses, so the in-process path needs
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the front end sends the engine core: token ids, never text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.time)
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens (and maybe the end) of one request, as the core reports them."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    timestamp: float = 0.0  # wall time the step that produced these tokens ended
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.detokenizer import (  # noqa: F401  (find_stop_string: re-exported)
     IncrementalDetokenizer,
     default_detokenizer_cls,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from minivllm.config import EngineConfig
-from minivllm.core.request import EngineCoreRequest
-from minivllm.sampling_params import SamplingParams
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.sampling_params import SamplingParams, is_utf8
 
 PromptType = str | dict
 
@@ -40,6 +40,8 @@ class Processor:
                 raise ValueError("prompt: must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; pass {'prompt_token_ids': [...]}")
+            if not is_utf8(prompt):
+                raise ValueError("prompt: is not valid unicode (it holds a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -65,17 +67,20 @@ class Processor:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        if not isinstance(request_id, str) or not request_id:
+        if not isinstance(request_id, str) or not request_id or not is_utf8(request_id):
             raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or not is_utf8(cache_salt)):
             raise ValueError(f"cache_salt: must be a non-empty str, got {cache_salt!r}")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         params = params.clone()
+        if params.top_k >= self.vocab_size:  # keeps every token: the same as no top-k at all
+            params.top_k = 0
         if params.max_tokens is None:
             params.max_tokens = self.config.max_model_len - len(ids) or 1
         core_request = EngineCoreRequest(
@@ -112,6 +117,8 @@ class Processor:
             raise ValueError(
                 "messages: must be a non-empty list of {'role': str, 'content': str} dicts"
             )
+        if not all(is_utf8(m["content"]) and is_utf8(m["role"]) for m in conversation):
+            raise ValueError("messages: content is not valid unicode (it holds a lone surrogate)")
         text = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from minivllm.core.request import EngineCoreRequest
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequestType
 
 _encoder = msgspec.msgpack.Encoder()

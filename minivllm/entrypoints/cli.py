@@ -17,40 +17,17 @@ DEFAULT_PROMPT = "Explain in one short paragraph what a KV cache is in a languag
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine arguments every subcommand shares, named as vLLM names them."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="local Hugging Face folder or hub name (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="token ids in, token ids out (no tokenizer is loaded)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--scheduler", default="v1", choices=["v1", "v0"])
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model's elementwise parts")
-    g.add_argument("--custom-ops", default="auto", choices=["auto", "all", "none"],
-                   help="fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
-                        "Triton attention backend, unless --compile)")
-    g.add_argument("--model-runner-cls", default=None, metavar="MODULE:CLASS",
-                   help="another model runner, e.g. minivllm.sim.paced_runner:PacedModelRunner "
-                        "(no model: each step sleeps its simulated H100 time; for load tests)")
+    """The engine arguments every subcommand shares: one flag per ``EngineArgs`` field."""
+    from minivllm.config import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments set on a parsed command line, as keywords for ``LLM``."""
     from minivllm.config import EngineArgs
 
-    names = EngineArgs.field_names()
-    return {k: v for k, v in vars(args).items() if k in names}
+    return {f.name: getattr(args, f.name) for f in EngineArgs.cli_fields() if hasattr(args, f.name)}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -90,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from minivllm.entrypoints.openai.cli_args import add_serve_parser
 
-    add_serve_parser(sub, add_engine_args)
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (and write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
@@ -100,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """Ranks 1.. of a torchrun launch run no command: they serve rank 0's engine."""
+    import os
+
+    return (getattr(args, "distributed_executor_backend", None) == "external_launcher"
+            and int(os.environ.get("RANK", "0")) > 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -107,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
+        if _is_torchrun_worker(args):
+            from minivllm.config import EngineArgs
+            from minivllm.executor.external_launcher import run_worker_loop
+
+            model = getattr(args, "model_tag", None) or args.model
+            return run_worker_loop(EngineArgs(**{**engine_kwargs(args), "model": model})
+                                   .create_config())
         return args.func(args) or 0
     except ValueError as e:
         print(f"minivllm: error: {e}", file=sys.stderr)

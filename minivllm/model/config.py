@@ -43,6 +43,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    # sliding-window attention (Mistral; Qwen2/3 with use_sliding_window): a query at position p
+    # sees keys p - sliding_window < k <= p, in the layers listed in sliding_window_layers
+    sliding_window: int | None = None
+    sliding_window_layers: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: torch.dtype = torch.float32
@@ -99,6 +103,7 @@ class ModelConfig:
                 if t not in eos:
                     eos.append(t)
 
+        window, window_layers = _sliding_window(cfg, family)
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             architecture=arch,
@@ -117,12 +122,55 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
+            sliding_window=window,
+            sliding_window_layers=window_layers,
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=_TORCH_DTYPES.get(str(dtype_name), torch.float32),
         )
 
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the checkpoint's positions cover (vLLM's "derived max_model_len").
+
+        Rope scaling is taken into account: a scaling type that stretches the positions by
+        ``factor`` multiplies the trained length, except llama3's, whose ``max_position_embeddings``
+        is already the stretched length (``original_max_position_embeddings`` is the trained one).
+        """
+        length = self.max_position_embeddings
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3") and "factor" in scaling:
+            base = scaling.get("original_max_position_embeddings", length)
+            length = int(base * scaling["factor"])
+        return length
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if layer_idx in self.sliding_window_layers else None
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers (what a KV block is made of)."""
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+def _sliding_window(cfg: dict[str, Any], family: str) -> tuple[int | None, list[int]]:
+    """(window, the layers that use it), as transformers reads the config.
+
+    ``layer_types`` ("sliding_attention" / "full_attention" per layer) wins when present.
+    Otherwise Mistral slides in every layer when ``sliding_window`` is set; Qwen2/3 only with
+    ``use_sliding_window``, and then in the layers from ``max_window_layers`` on.
+    """
+    window = cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return None, []
+    if cfg.get("layer_types"):
+        layers = [i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention"]
+    elif family in ("qwen2", "qwen3"):
+        layers = list(range(cfg.get("max_window_layers", 0), num_layers))
+    else:
+        layers = list(range(num_layers))
+    return (int(window), layers) if layers else (None, [])

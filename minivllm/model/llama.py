@@ -8,6 +8,10 @@ Weights keep Hugging Face's names, except that q/k/v and gate/up are packed into
 each (``qkv_proj``, ``gate_up_proj``): one matmul instead of three (or two). ``load_weights``
 knows where each checkpoint tensor goes inside the packed ones.
 
+With tensor parallelism (``tensor_parallel_size`` > 1) every projection is a parallel layer
+(``parallel_layers.py``): each rank holds its share of the heads, of the MLP's features and of
+the vocabulary, and computes only that; at size 1 the same layers are plain matmuls.
+
 The forward pass takes a flattened batch (no padding) and returns hidden states; only the
 rows that need a next token go through ``compute_logits`` (the lm_head is the largest matmul
 of a small model: skipping it for prefill tokens saves most of a prompt's cost).
@@ -21,26 +25,38 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
 from minivllm.model.config import ModelConfig
 from minivllm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from minivllm.model.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
     ``kv_cache`` and ``backend`` are bound by the model runner once the cache is allocated.
+    With tensor parallelism, ``num_heads`` / ``num_kv_heads`` are this rank's share.
     """
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.sliding_window = config.layer_sliding_window(layer_idx)  # None: full attention
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=config.attention_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary_emb = rotary
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -61,7 +77,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        if self.sliding_window is None:
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
+                                       sliding_window=self.sliding_window)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -70,8 +90,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +102,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), with the residual carried apart."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -107,12 +128,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -149,12 +170,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits over the whole vocabulary (gathered from every rank's range)."""
+        return self.lm_head.compute_logits(hidden).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
     def shard_sizes(self, packed: str) -> list[int]:
+        """Rows of each checkpoint matrix packed into ``packed`` (the unsharded model's)."""
         c = self.config
         if packed == "qkv_proj":
             kv = c.num_key_value_heads * c.head_dim

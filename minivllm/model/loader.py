@@ -3,6 +3,11 @@
 The model is built on the ``meta`` device (no memory, no random init), materialised empty on
 the target device, then every parameter is filled from the checkpoint. Nothing is left
 uninitialised silently: a missing tensor is an error.
+
+With tensor parallelism each parameter belongs to a layer that knows its rank's slice
+(``weight_loader`` in ``parallel_layers.py``): the loader hands it a lazy safetensors slice
+(``safe_open(...).get_slice``), so each rank reads from the file only the rows or columns it
+keeps. A replicated parameter (a norm) is read whole.
 """
 
 from __future__ import annotations
@@ -70,21 +75,23 @@ def load_weights(model: LlamaForCausalLM, folder: str, show_progress: bool = Tru
                 target, shard = _target(model, name)
                 if target not in params:
                     raise ValueError(f"model: checkpoint tensor {name!r} has no place in the model")
-                tensor = f.get_tensor(name)
                 param = params[target]
-                if shard is None:
+                module = model.get_submodule(target.rsplit(".", 1)[0])
+                loader = getattr(module, "weight_loader", None)
+                if loader is None:
+                    tensor = f.get_tensor(name)
                     if param.shape != tensor.shape:
                         raise ValueError(
                             f"model: {name} has shape {tuple(tensor.shape)}, "
                             f"expected {tuple(param.shape)}"
                         )
                     param.copy_(tensor)
-                    loaded.add(target)
                 else:
-                    packed = target.split(".")[-2]
-                    sizes = model.shard_sizes(packed)
-                    param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
-                    loaded.add(f"{target}#{shard}")
+                    try:
+                        loader(param, f.get_slice(name), shard)
+                    except ValueError as e:
+                        raise ValueError(f"{e} (loading {name})") from None
+                loaded.add(target if shard is None else f"{target}#{shard}")
     bar.close()
     missing = []
     for name, param in model.named_parameters():

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from minivllm.utils import cdiv
 
 
 def single_sequence_metadata(
@@ -51,7 +52,7 @@ def sequence_logits(
     config = model.config
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    num_blocks = -(-len(token_ids) // block_size)
+    num_blocks = cdiv(len(token_ids), block_size)
     impl = backend if isinstance(backend, AttentionBackend) else get_attention_backend(backend)
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     saved = [(layer.kv_cache, layer.backend) for layer in model.attention_layers()]

@@ -13,11 +13,9 @@ import heapq
 from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
-from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.request import EngineCoreRequest, Request
-from minivllm.core.scheduler import Scheduler
-from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+from minivllm.core.builder import build_scheduler
+from minivllm.core.request import Request
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.cost_model import CostModel
@@ -80,14 +78,14 @@ class SimEngine:
         enable_prefix_caching: bool = True,
         cost_model: CostModel | None = None,
         scheduler_cls: type | None = None,
-        block_pool_cls: type = BlockPool,
+        block_pool_cls: type | None = None,
     ) -> None:
         self.config = scheduler_config or SchedulerConfig()
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_caching=enable_prefix_caching, block_pool_cls=block_pool_cls
-        )
-        cls = scheduler_cls or {"v1": Scheduler, "v0": PhaseSeparatedScheduler}[scheduler]
-        self.scheduler = cls(self.config, self.kv_cache_manager)
+        self.scheduler = build_scheduler(
+            self.config, num_blocks, block_size, scheduler=scheduler,
+            enable_caching=enable_prefix_caching, scheduler_cls=scheduler_cls,
+            block_pool_cls=block_pool_cls)
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.runner = SimulatedRunner(cost_model or CostModel())
         self.clock = 0.0
         self.records: dict[str, SimRequestRecord] = {}

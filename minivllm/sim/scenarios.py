@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from minivllm.benchmarks.common import percentile, stall_window
+from minivllm.utils import cdiv, percentile, stall_window
 from minivllm.config import SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
@@ -129,7 +129,7 @@ def shared_system_prompt(
 
     prefix_blocks = system_prompt_len // block_size
     block_bytes = block_size * cost_model.kv_bytes_per_token
-    session_blocks = -(-(system_prompt_len + user_len + output_len) // block_size)
+    session_blocks = cdiv(system_prompt_len + user_len + output_len, block_size)
     n_peak = sim.peak_num_running
     return {
         "num_sessions": num_sessions,

@@ -24,6 +24,7 @@ import torch
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.block_table import BlockTable
+from minivllm.utils import cdiv
 
 
 @dataclass
@@ -53,7 +54,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs so far
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size,
+        self.block_table = BlockTable(max_num_reqs, cdiv(max_model_len, block_size), block_size,
                                       device, pin_memory)
         # sampling parameters, one entry per row
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)

@@ -35,6 +35,7 @@ from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
 from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
+from minivllm.utils import cdiv
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 _GREEDY_EPS = 1e-5
@@ -65,6 +66,8 @@ class ModelRunner:
         self.model = load_model(
             config.model_path, config.model_config, config.device, config.dtype, show_progress
         )
+        # this rank's KV heads (all of them without tensor parallelism)
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = get_attention_backend(config.attention_backend)
         for layer in self.model.attention_layers():
             layer.backend = self.attention_backend
@@ -100,7 +103,9 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        return self.block_size * self.config.model_config.kv_bytes_per_token(self.config.dtype)
+        c = self.config.model_config
+        elem = torch.tensor([], dtype=self.config.dtype).element_size()
+        return self.block_size * 2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -113,7 +118,7 @@ class ModelRunner:
         else:
             budget = CPU_KV_CACHE_BYTES
         # never more blocks than max_num_seqs full-length sequences could use
-        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        cap = self.config.max_num_seqs * cdiv(self.config.max_model_len, self.block_size)
         return max(1, min(budget // per_block, cap))
 
     def _profile_cuda_free_memory(self) -> int:
@@ -132,8 +137,8 @@ class ModelRunner:
         """A forward over ``max_num_batched_tokens`` tokens with a throwaway KV cache."""
         c = self.config.model_config
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        num_blocks = -(-n // self.block_size)
-        dummy = torch.zeros(2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+        num_blocks = cdiv(n, self.block_size)
+        dummy = torch.zeros(2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim,
                             dtype=self.config.dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = dummy
@@ -155,7 +160,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         c = self.config.model_config
-        shape = (2, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         # zeros, not empty: padded reads past a sequence's end must see finite values
         self.kv_caches = [
             torch.zeros(shape, dtype=self.config.dtype, device=self.device)

@@ -61,12 +61,20 @@ def kv_cache_violations(scheduler) -> list[str]:
     if lost:
         problems.append(f"blocks {lost} have ref_cnt 0 but are not in the free queue (lost)")
 
-    for block_hash, block in pool.cached_block_hash_to_block.items():
-        if block.block_hash != block_hash:
-            problems.append(f"the hash map sends {_h(block_hash)} to block {block.block_id}, which "
-                            f"carries hash {_h(block.block_hash)}")
+    def copies(entry) -> list:
+        # the engine's map sends a hash to {block_id: block}; a learner's may hold a list
+        if isinstance(entry, dict):
+            return list(entry.values())
+        return list(entry) if isinstance(entry, (list, tuple)) else [entry]
+
+    for block_hash, entry in pool.cached_block_hash_to_block.items():
+        for block in copies(entry):
+            if block.block_hash != block_hash:
+                problems.append(f"the hash map sends {_h(block_hash)} to block {block.block_id}, "
+                                f"which carries hash {_h(block.block_hash)}")
     for block in pool.blocks:
-        if block.block_hash is not None and pool.get_cached_block(block.block_hash) is not block:
+        if block.block_hash is not None and not any(
+                b is block for b in copies(pool.cached_block_hash_to_block.get(block.block_hash))):
             problems.append(f"block {block.block_id} carries hash {_h(block.block_hash)}, but the "
                             "hash map does not send that hash to it")
 
@@ -109,7 +117,7 @@ class CheckedBlockPool:
         n = pool.num_blocks
         self._ref = [0] * n
         self._hash = [None] * n
-        self._map: dict = {}  # hash -> block id
+        self._map: dict = {}  # hash -> ids of the blocks carrying it, earliest cached first
         self._never_used: set[int] = set(range(n))
         self._freed: dict[int, None] = {}  # free blocks that were used, least recently freed first
         for block in pool.blocks:
@@ -136,13 +144,15 @@ class CheckedBlockPool:
     # -- lookups ----------------------------------------------------------------------------
     def get_cached_block(self, block_hash):
         got = self.pool.get_cached_block(block_hash)
-        expected = self._map.get(block_hash)
+        copies = self._map.get(block_hash)
+        expected = copies[0] if copies else None
         got_id = None if got is None else got.block_id
         if got_id != expected:
             if expected is None:
                 why = "no block carries that hash any more (never cached, or evicted)"
             else:
-                why = f"block {expected} carries it"
+                why = (f"block {expected} carries it" if len(copies) == 1 else
+                       f"blocks {copies} carry it, and block {expected} was cached first")
             self._broken(f"get_cached_block({_h(block_hash)}...) returned "
                          f"{'None' if got is None else f'block {got_id}'}, but {why}")
         return got
@@ -204,7 +214,9 @@ class CheckedBlockPool:
             self._never_used.discard(i)
             self._freed.pop(i, None)
             if old is not None:
-                del self._map[old]
+                self._map[old].remove(i)
+                if not self._map[old]:
+                    del self._map[old]
                 self._hash[i] = None
         self._expect_free_count(f"get_new_blocks({num_blocks})")
         return blocks
@@ -259,23 +271,23 @@ class CheckedBlockPool:
         for i in range(num_cached_blocks, num_full_blocks):
             block, h = blocks[i], block_hashes[i]
             b = block.block_id
-            if self.pool.enable_caching and self._hash[b] is None and h not in self._map:
+            if self.pool.enable_caching and self._hash[b] is None:
                 self._hash[b] = h
-                self._map[h] = b
+                self._map.setdefault(h, []).append(b)  # beside any block already carrying it
             if block.block_hash != self._hash[b]:
-                if self._hash[b] is None and h in self._map:
-                    rule = (f"block {self._map[h]} already carries that hash: the existing entry "
-                            f"stays, and block {b} stays unhashed")
-                elif not self.pool.enable_caching:
+                if not self.pool.enable_caching:
                     rule = "prefix caching is off: cache nothing"
                 else:
                     rule = (f"blocks {num_cached_blocks}..{num_full_blocks - 1} of the list get the "
                             "hashes at the same positions; a block that already has a hash keeps it")
                 self._broken(f"after cache_full_blocks(), block {b} (position {i}) carries hash "
                              f"{_h(block.block_hash)}; expected {_h(self._hash[b])}: {rule}")
-            if self._hash[b] is not None and self.pool.get_cached_block(self._hash[b]) is not block:
+            first = self._map[self._hash[b]][0] if self._hash[b] is not None else None
+            got = self.pool.get_cached_block(self._hash[b]) if first is not None else None
+            if first is not None and (got is None or got.block_id != first):
                 self._broken(f"after cache_full_blocks(), get_cached_block({_h(self._hash[b])}...) "
-                             f"does not return block {b}, which carries that hash")
+                             f"does not return block {first}, the earliest cached of the blocks "
+                             f"carrying that hash ({self._map[self._hash[b]]})")
 
     def reset_prefix_cache(self) -> bool:
         done = self.pool.reset_prefix_cache()

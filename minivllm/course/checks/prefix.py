@@ -283,7 +283,8 @@ POOL_CONVENTION = ("Expected: get_new_blocks takes blocks from the head of the f
                    "evicting any hash they carry; touch adds a reference and takes a free block out "
                    "of the queue; free_blocks drops a reference and queues blocks that reach 0 at "
                    "the tail, in the order given, keeping their hash; cache_full_blocks names blocks "
-                   "[num_cached_blocks, num_full_blocks) unless named already or the hash is taken.")
+                   "[num_cached_blocks, num_full_blocks) unless named already, and the map keeps every block of "
+                   "a hash.")
 
 
 def check_block_pool(block_pool_cls, exercise: str = "6.2", seed: int = 0) -> None:
@@ -373,14 +374,19 @@ def _pool_scenarios(cls, exercise: str) -> None:
          f"{_ids(taken)}, evicting cached blocks {sorted(set(_ids(taken)) & set(_ids(a)))}: the "
          "blocks free since the start are the least recently used.")
 
-    # a hash already taken stays with its first block
+    # a hash two blocks carry keeps both: each stays reachable until it is evicted itself
     pool = cls(4, True)
     x, y = pool.get_new_blocks(2)
     pool.cache_full_blocks([x], [h[0]], 0, 1)
     pool.cache_full_blocks([y], [h[0]], 0, 1)
-    need(pool.get_cached_block(h[0]) is x and y.block_hash is None,
+    need(x.block_hash == h[0] and y.block_hash == h[0] and pool.get_cached_block(h[0]) in (x, y),
          "when two blocks get the same hash (two requests computed the same prefix side by side), "
-         "the first keeps the map entry and the second stays unhashed.")
+         "both carry it and the map keeps both.")
+    pool.free_blocks([x, y])
+    pool.get_new_blocks(3)  # the two never-used blocks, then x: y must still answer the hash
+    need(pool.get_cached_block(h[0]) is y,
+         "when one of two blocks carrying a hash is evicted, the other must still be found by "
+         "that hash (the map keeps every block of a hash until each is evicted).")
 
 
 def _sim_workload(rng, num_requests: int = 20):

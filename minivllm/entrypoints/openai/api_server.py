@@ -33,21 +33,64 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
+    openapi_request_body,
     parse_request,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing, engine_dead_error, new_request_id
 from minivllm.model_hub import BUNDLED_NAME
 
 
-def error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+def error_response(err: RequestError) -> Response:
+    # ASCII-escaped JSON: a message may quote what the client sent, lone surrogates included
+    return Response(json.dumps(err.to_dict()), status_code=err.status, media_type="application/json")
+
+
+MAX_REQUEST_BODY_BYTES = 16 * 2**20  # --max-request-body-bytes
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class LimitRequestBody:
+    """ASGI middleware: a body over ``max_bytes`` gets 413 before it is read whole. A declared
+    Content-Length over the limit is refused before a byte is read; a chunked body is counted
+    as it arrives, and reading it fails (``BodyTooLarge``) as soon as it passes the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await error_response(self._error())(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> RequestError:
+        return RequestError(f"the request body is larger than {self.max_bytes} bytes",
+                            status=413, code="request_too_large")
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None, chat_stream=None) -> FastAPI:
+              stat_logger: PrometheusStatLogger | None = None,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, chat_stream=None) -> FastAPI:
     """``chat_stream``: replaces the function that streams chat completions (see
     ``serving.chat_completion_stream_generator``)."""
     serving = OpenAIServing(engine, served_model_names, chat_stream)
+    limiter = LimitRequestBody(None, max_request_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,6 +98,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         engine.shutdown()  # still inside uvicorn's shutdown: before any signal is re-raised
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
+    app.add_middleware(LimitRequestBody, max_bytes=max_request_body_bytes)
 
     if api_key is not None:  # only then: a middleware costs every request and every chunk
 
@@ -104,6 +148,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                 data = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"malformed JSON in the request body: {e}") from None
+            except BodyTooLarge:
+                raise limiter._error() from None
             req, _ = parse_request(ChatCompletionRequest if chat else CompletionRequest, data)
             model = serving.check_model(req)
             try:
@@ -130,14 +176,30 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return Response(status_code=499)  # the client left; its requests were aborted
         return JSONResponse(body)
 
-    @app.post("/v1/completions")
+    # the handlers read the raw body (strict validation, OpenAI-shaped errors, 413): the schema
+    # still describes each body as its pydantic model, so clients and fuzzers know the fields
+    @app.post("/v1/completions", openapi_extra=openapi_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -178,9 +240,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(args) -> None:
-    from minivllm.entrypoints.cli import engine_kwargs
-
-    engine_args = EngineArgs(**engine_kwargs(args))  # includes --multiprocess
+    engine_args = EngineArgs.from_cli_args(args)  # includes --multiprocess
     names = args.served_model_name or [args.model or BUNDLED_NAME]
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -190,7 +250,8 @@ async def serve(args) -> None:
     stat_logger = PrometheusStatLogger(names[0])
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:
-        app = build_app(engine, names, args.api_key, stat_logger)
+        app = build_app(engine, names, args.api_key, stat_logger,
+                        getattr(args, "max_request_body_bytes", MAX_REQUEST_BODY_BYTES))
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=False,
                                 timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)

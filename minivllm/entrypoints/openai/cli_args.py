@@ -7,7 +7,9 @@ import argparse
 import sys
 
 
-def add_serve_parser(subparsers, add_engine_args) -> None:
+def add_serve_parser(subparsers) -> None:
+    from minivllm.config import EngineArgs
+
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (pip install 'minivllm[serve]')",
         description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
@@ -21,14 +23,14 @@ def add_serve_parser(subparsers, add_engine_args) -> None:
                    help="model name(s) the API accepts (default: MODEL)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 endpoints")
-    p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine core in its own process (default) or in this one")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+                   help="refuse a larger request body with 413, before reading it whole "
+                        "(default 16 MiB)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    add_engine_args(p)
-    p.add_argument("--trace-steps", type=int, default=0,
-                   help="keep what the last N engine steps scheduled, for get_step_trace() "
-                        "(default 0: off, so memory does not grow with uptime)")
+    # a server runs its engine core in its own process, and keeps no step trace (its memory
+    # must not grow with its uptime)
+    EngineArgs.add_cli_args(p, defaults={"multiprocess": True, "trace_steps": 0})
     p.set_defaults(func=_serve)
 
 

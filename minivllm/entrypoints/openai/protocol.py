@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+Int64 = Field(None, ge=INT64_MIN, le=INT64_MAX)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -81,12 +83,12 @@ class SamplingRequest(OpenAIBaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension
-    min_tokens: int = 0  # vLLM's extension
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Int64  # vLLM's bounds: a torch generator takes an int64
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -162,6 +164,12 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def openapi_request_body(model_cls: type[BaseModel]) -> dict:
+    """The OpenAPI ``requestBody`` of an endpoint whose JSON body is ``model_cls``."""
+    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def parse_request(model_cls: type[SamplingRequest], data: Any) -> tuple[SamplingRequest, dict]:

@@ -1,0 +1,1 @@
+from minivllm.executor.abstract import Executor  # noqa: F401

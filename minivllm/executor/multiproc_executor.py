@@ -1,0 +1,246 @@
+"""The multi-process executor: one worker process per tensor-parallel rank.
+
+    engine core ──PUSH (one socket per rank)──▶ worker 0 … worker tp-1   (the step, pickled)
+    engine core ◀──PULL─────────────────────── worker 0                   (sampled tokens)
+
+Each step the core pickles the ``SchedulerOutput`` once and sends the same bytes to every
+worker (ZMQ over IPC sockets); the workers run the step together (their collectives go through
+torch.distributed, not through here) and only rank 0 answers with its ``ModelRunnerOutput``.
+What one step costs to broadcast grows with what changed, not with the batch's history: the
+scheduler output is a diff (``minivllm/core/sched_output.py``). ``broadcast_stats`` counts
+the bytes and the time spent pickling and sending.
+
+Failure: while it waits for an answer the executor checks every few milliseconds that all its
+workers are alive; a dead worker (killed, crashed, out of memory) raises ``RuntimeError`` in
+the engine core, which takes the core-death path (``EngineDeadError`` for every request in
+flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
+The workers are stopped on shutdown, when the executor is garbage-collected or at exit
+(``weakref.finalize``), and each exits by itself if the process that spawned it dies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+
+import zmq
+
+from minivllm.config import EngineConfig
+from minivllm.executor.abstract import Executor
+
+POLL_MS = 20  # how often a waiting executor checks that its workers are alive
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Resources:
+    """What must be released even if the executor is never shut down (held by a finalizer)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.tmpdir = tempfile.mkdtemp(prefix="minivllm-tp-")
+        self.procs: list[multiprocessing.Process] = []
+        self.sockets: list = []
+
+    def __call__(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for s in self.sockets:
+            s.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        super().__init__(config, show_progress)
+        self.world_size = config.tensor_parallel_size
+        self.resources = _Resources()
+        self._finalizer = weakref.finalize(self, self.resources)
+        ctx, tmp = self.resources.ctx, self.resources.tmpdir
+        self.broadcast_sockets = []
+        for rank in range(self.world_size):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.bind(f"ipc://{tmp}/step{rank}")
+            self.broadcast_sockets.append(s)
+        self.result_socket = ctx.socket(zmq.PULL)
+        self.result_socket.setsockopt(zmq.RCVHWM, 0)
+        self.result_socket.bind(f"ipc://{tmp}/result")
+        self.resources.sockets += [*self.broadcast_sockets, self.result_socket]
+        self.broadcast_stats = {"steps": 0, "bytes": 0, "max_bytes": 0, "seconds": 0.0}
+
+        # the engine core may itself run in a daemonic process, which multiprocessing forbids
+        # to have children; this process stops its workers itself (the finalizer), and they
+        # follow it if it dies, so the flag is not needed here
+        current = multiprocessing.current_process()
+        if current.daemon:
+            current.daemon = False
+        dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                    "WORLD_SIZE": str(self.world_size)}
+        spawn = multiprocessing.get_context("spawn")  # no fork: torch and threads are live here
+        for rank in range(self.world_size):
+            env = {**dist_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            proc = spawn.Process(
+                target=run_worker,
+                args=(config, env, f"ipc://{tmp}/step{rank}", f"ipc://{tmp}/result", show_progress),
+                name=f"TPWorker-{rank}", daemon=True)
+            proc.start()
+            self.resources.procs.append(proc)
+        self.workers = self.resources.procs
+        try:
+            self._wait_for_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for_ready(self) -> None:
+        ready: set[int] = set()
+        while len(ready) < self.world_size:
+            rank, status, payload = self._recv()
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel worker {rank} failed to start:\n{payload}")
+            ready.add(rank)
+
+    def _recv(self):
+        while not self.result_socket.poll(POLL_MS):
+            self.check_health()
+        return pickle.loads(self.result_socket.recv())
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self.workers):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited "
+                                   f"unexpectedly (exit code {proc.exitcode})")
+
+    def broadcast(self, message) -> int:
+        """Pickle ``message`` once and send the bytes to every worker; returns their size."""
+        start = time.perf_counter()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for s in self.broadcast_sockets:
+            s.send(data, copy=False)
+        st = self.broadcast_stats
+        st["steps"] += 1
+        st["bytes"] += len(data)
+        st["max_bytes"] = max(st["max_bytes"], len(data))
+        st["seconds"] += time.perf_counter() - start
+        return len(data)
+
+    def collective_rpc(self, method: str, args: tuple = (), output_rank: int | None = None) -> list:
+        self.check_health()
+        self.broadcast((method, args, output_rank))
+        expected = list(range(self.world_size)) if output_rank is None else [output_rank]
+        results: dict[int, object] = {}
+        while len(results) < len(expected):
+            rank, status, payload = self._recv()
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel worker {rank} raised in {method}:\n{payload}")
+            results[rank] = payload
+        return [results[r] for r in expected]
+
+    def get_broadcast_stats(self) -> dict:
+        return dict(self.broadcast_stats)
+
+    def shutdown(self) -> None:
+        for s in self.broadcast_sockets:
+            try:
+                s.send(pickle.dumps(("shutdown", (), None)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 2
+        for proc in self.workers:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_address: str,
+               show_progress: bool) -> None:
+    """Entry point of a worker process: load this rank's shard, then run what arrives."""
+    _exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    os.environ.update(dist_env)
+    rank = int(dist_env["RANK"])
+    import torch
+
+    if config.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # the ranks share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+
+    ctx = zmq.Context()
+    steps = ctx.socket(zmq.PULL)
+    steps.setsockopt(zmq.RCVHWM, 0)
+    steps.connect(step_address)
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.SNDHWM, 0)
+    results.connect(result_address)
+
+    def reply(status: str, payload) -> None:
+        results.send(pickle.dumps((rank, status, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    from tqdm import std as tqdm_std
+
+    # tqdm's default lock is a multiprocessing semaphore, which a worker that ends with
+    # os._exit would leave to the resource tracker to complain about
+    tqdm_std.tqdm.set_lock(threading.RLock())
+    try:
+        from minivllm.worker.worker import Worker
+
+        worker = Worker(config, show_progress=show_progress)
+    except Exception:
+        reply("error", traceback.format_exc())
+        results.close(linger=2000)
+        os._exit(1)
+    reply("ready", None)
+    code = 0
+    while True:
+        method, args, output_rank = pickle.loads(steps.recv())
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(worker, method)(*args)
+        except Exception:
+            reply("error", traceback.format_exc())
+            code = 1
+            break
+        if output_rank is None or output_rank == rank:
+            reply("ok", result)
+    results.close(linger=2000)
+    steps.close(linger=0)
+    # no teardown of the process group or the interpreter: a peer may already be gone (a
+    # collective would hang) and torch's teardown takes seconds
+    os._exit(code)
+
+
+def _exit_with_parent() -> None:
+    """If the process that spawned this worker dies (even by SIGKILL), follow it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="TPWorkerParentWatch").start()

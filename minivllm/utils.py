@@ -1,0 +1,38 @@
+"""Small helpers every layer may use (no imports from the rest of the package)."""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` hold ``a`` items."""
+    return -(-a // b)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def stall_window(
+    token_times: list[list[float]], arrival: float, window_end: float, steady_span: float
+) -> tuple[list[float], list[float]]:
+    """Split the gaps between consecutive output tokens around a long prompt's arrival.
+
+    Returns (steady, window): ``steady`` holds the gaps that ended within ``steady_span`` seconds
+    before ``arrival``; ``window`` the gaps that ended after it and began before ``window_end``
+    (the long prompt's first token) — the decodes that shared the machine with its prefill.
+    """
+    steady, window = [], []
+    for times in token_times:
+        for a, b in zip(times, times[1:]):
+            if arrival - steady_span < b <= arrival:
+                steady.append(b - a)
+            elif arrival < b and a < window_end:
+                window.append(b - a)
+    return steady, window

@@ -1,0 +1,165 @@
+"""Tensor parallelism on this CPU with gloo: every family split across 2 ranks (and a 6-head
+model across 3) gives the greedy tokens of the unsplit model, through ``LLM`` and through
+``minivllm serve``; a killed worker fails the requests in flight within a second; no process
+is left behind. Sizes the model cannot be split into are refused before anything loads."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import EngineArgs
+from minivllm.model.config import ModelConfig
+from minivllm.model.parallel_layers import check_tensor_parallel_size, kv_head_partition
+from minivllm.testing import TINY_PRESETS, make_checkpoint
+
+PROMPTS = ["Hello, my name is", "The capital of France is a city that",
+           " ".join(str(i) for i in range(30))]  # long enough to be prefilled in chunks
+ENGINE = dict(max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=32)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def peaked_models(tmp_path_factory, bundled_path) -> dict[str, str]:
+    """Every family's tiny model (and the 6-head one) at 10x the weight scale: greedy choices
+    far from ties, so the different summation order of split matmuls cannot flip a token."""
+    root = tmp_path_factory.mktemp("tp-models")
+    return {name: make_checkpoint(str(root / name), name, tokenizer_from=bundled_path, seed=i,
+                                  initializer_range=0.5)
+            for i, name in enumerate([*TINY_PRESETS, "llama-mqa6"])}
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _reference(path: str) -> list[list[int]]:
+    return _greedy(LLM(path, show_progress=False, **ENGINE))
+
+
+def test_kv_heads_split_or_replicated():
+    assert [kv_head_partition(8, 4, r) for r in range(4)] == [(2, 0), (2, 2), (2, 4), (2, 6)]
+    # fewer KV heads than ranks: one per rank, each replicated on tp / kv neighbouring ranks
+    assert [kv_head_partition(2, 4, r) for r in range(4)] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [kv_head_partition(1, 3, r) for r in range(3)] == [(1, 0)] * 3
+    with pytest.raises(ValueError, match="neither split evenly nor replicated"):
+        kv_head_partition(2, 3, 0)
+
+
+def test_sizes_that_do_not_fit_are_refused(peaked_models):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by "
+                                         r"tensor_parallel_size \(3\)"):
+        EngineArgs(peaked_models["llama"], tensor_parallel_size=3).create_config()
+    shape = ModelConfig.from_pretrained(peaked_models["llama-mqa6"])
+    shape.num_key_value_heads = 4  # 6 heads split 3 ways, but 4 KV heads neither split nor replicate
+    with pytest.raises(ValueError, match=r"\(3\) and num_key_value_heads \(4\)"):
+        check_tensor_parallel_size(shape, 3)
+    with pytest.raises(ValueError, match="needs 'mp'"):
+        EngineArgs(peaked_models["llama"], tensor_parallel_size=2,
+                   distributed_executor_backend="uni").create_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        EngineArgs(peaked_models["llama"], tensor_parallel_size=0).create_config()
+
+
+def _workers(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.model_executor.workers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tp", [(f, 2) for f in TINY_PRESETS] + [("llama-mqa6", 3)])
+def test_llm_tensor_parallel_matches_size_1(peaked_models, family, tp):
+    path = peaked_models[family]
+    expected = _reference(path)
+    llm = LLM(path, show_progress=False, tensor_parallel_size=tp, **ENGINE)
+    workers = _workers(llm)
+    assert len(workers) == tp and all(w.is_alive() for w in workers)
+    assert _greedy(llm) == expected
+    stats = llm.llm_engine.engine_core.call_utility("get_broadcast_stats")
+    assert stats["steps"] >= 16 and stats["bytes"] > 0
+    llm.llm_engine.shutdown()
+    assert not any(w.is_alive() for w in workers)  # no process left behind
+
+
+# -- through `minivllm serve` -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp_server(peaked_models):
+    from minivllm.benchmarks.common import ServerProcess
+
+    pytest.importorskip("httpx")
+    proc = ServerProcess([peaked_models["llama"], "--port", "0", "-tp", "2",
+                          "--max-num-batched-tokens", "32"])
+    proc.wait_ready(timeout=600)
+    yield proc
+    proc.stop(signal.SIGINT)
+
+
+def _spawned(pid: int) -> list:
+    """The processes ``pid`` spawned with multiprocessing (not its resource tracker)."""
+    import psutil
+
+    return [p for p in psutil.Process(pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_serve_tensor_parallel_matches_size_1(tp_server, peaked_models):
+    import httpx
+
+    llm = LLM(peaked_models["llama"], show_progress=False, **ENGINE)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    got = []
+    for prompt in PROMPTS:
+        r = httpx.post(tp_server.url + "/v1/completions", timeout=120, json={
+            "model": peaked_models["llama"], "prompt": prompt, "max_tokens": 16,
+            "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_killing_a_worker_fails_requests_in_flight_within_a_second(tp_server, peaked_models):
+    """Last on this server: it is left without an engine, and must still stop cleanly."""
+    import httpx
+    import psutil
+
+    [core] = _spawned(tp_server.pid)
+    workers = _spawned(core.pid)
+    assert len(workers) == 2, workers
+    processes = [core, *workers]
+
+    async def run():
+        started = asyncio.Event()
+
+        async def one(client: httpx.AsyncClient, i: int):
+            body = {"model": peaked_models["llama"], "prompt": f"Go {i}", "max_tokens": 2000,
+                    "ignore_eos": True, "stream": True}
+            async with client.stream("POST", tp_server.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"text"' in line:
+                        started.set()
+                    if "error" in line:
+                        return time.monotonic(), line
+            return time.monotonic(), "stream ended"
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(4)]
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(workers[-1].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        return killed, results
+
+    killed, results = asyncio.run(run())
+    for ended, line in results:
+        assert "error" in line, line  # failed, not finished: 2000 tokens take far longer
+        assert ended - killed < 1.0, ended - killed
+    r = httpx.get(tp_server.url + "/health")
+    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    assert tp_server.stop(signal.SIGINT) == 0
+    time.sleep(0.5)
+    left = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left  # no process left behind
