@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.detokenizer import (
     FastIncrementalDetokenizer,
     SlowIncrementalDetokenizer,

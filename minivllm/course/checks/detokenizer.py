@@ -15,7 +15,7 @@ import contextlib
 import functools
 import random
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.course.checks.common import check_engine, fail, passed
 from minivllm.engine import detokenizer as detok
 from minivllm.engine.output_processor import OutputProcessor

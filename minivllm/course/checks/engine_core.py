@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 
-from minivllm.core.sched_output import EngineCoreOutput
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.course.checks.common import check_engine, fail, passed
 from minivllm.engine import core_proc
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
