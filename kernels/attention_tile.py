@@ -31,11 +31,13 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, t, t_mask, d, d_mask
 @triton.jit
 def online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Scores ``s`` [rows, tile] (base-2 logits, -inf where masked) and the tile's ``v``: the
-    new (m, l, acc). The caller guarantees every row's running max is finite from its first
-    tile on, so ``exp2(m_i - m_new)`` is never ``exp2(-inf - -inf)`` for a row that counts."""
+    new (m, l, acc). A row that has seen no visible key yet (a sliding window that starts in a
+    later tile) keeps m = -inf, l = 0, acc = 0: its exponents are taken against 0 instead of
+    -inf, so it never computes ``exp2(-inf - -inf)`` (NaN)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -13,6 +13,9 @@ the context is cut into ``num_splits`` partitions, each handled by its own progr
   ``out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i`` with ``M = max_i m_i``.
   With a single partition there is nothing to combine: stage 1 writes ``acc / l`` itself.
 
+A sliding window (Mistral) only moves where each sequence's keys start: ``seq_len - window``;
+a partition wholly before it reads nothing and reports an empty softmax (m = -inf, l = 0).
+
 ``max_seq_len`` only sizes the grid (the kernel reads each sequence's length from ``seq_lens``),
 so a CUDA graph captured with ``max_seq_len = max_model_len`` serves any context length.
 
@@ -44,6 +47,7 @@ def _decode_partition_kernel(
     stride_acc_seq, stride_acc_head, stride_acc_split,
     stride_m_seq, stride_m_head,
     block_size, head_dim, partition_size,
+    sliding_window,  # 0: the whole context; w > 0: only the last w keys
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
@@ -55,6 +59,8 @@ def _decode_partition_kernel(
     if start >= seq_len:  # this sequence is shorter than the grid assumed
         return
     end = tl.minimum(start + partition_size, seq_len)
+    if sliding_window > 0:  # a partition wholly before the window reads nothing: m=-inf, l=0
+        start = tl.maximum(start, seq_len - sliding_window)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -75,7 +81,7 @@ def _decode_partition_kernel(
                             block_size, stride_c_block, stride_c_off, stride_c_head)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        # the running max is finite from the first tile on: every tile has a valid token
+        # every tile has a valid token (a partition before a sliding window has no tile at all)
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if SINGLE_SPLIT:  # the whole context was ours: normalise and write the output directly
@@ -146,6 +152,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,  # sizes the grid; defaults to seq_lens.max() (a host sync)
     num_splits: int | None = None,  # default: num_decode_splits(...)
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # attend only the last sliding_window keys
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -178,7 +185,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
-        block_size, head_dim, partition,
+        block_size, head_dim, partition, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single,
         num_warps=4,

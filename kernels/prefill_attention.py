@@ -39,6 +39,7 @@ def _prefill_kernel(
     stride_c_block, stride_c_off, stride_c_head,
     stride_bt_seq,
     block_size, head_dim,
+    sliding_window,  # 0: causal over the whole context; w > 0: query p sees keys p-w < k <= p
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -67,7 +68,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # keys past this tile's last query are masked for every row: don't even read them
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_M)
-    for tile in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if sliding_window > 0:  # nor keys before the first query's window
+        kv_start = tl.maximum(0, context_len + q_tile * BLOCK_M - sliding_window + 1)
+    for tile in range(kv_start, kv_end, BLOCK_N):
         t = tile + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
@@ -75,8 +79,11 @@ def _prefill_kernel(
                             block_size, stride_c_block, stride_c_off, stride_c_head)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if sliding_window > 0:
+            visible = visible & (t[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
-        # the running max is finite from the first tile on: key 0 is visible to every row
+        # a row whose window starts in a later tile stays empty until then (see
+        # online_softmax_update); by the last tile every row has seen its own key
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
@@ -93,6 +100,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,  # sizes the grid; from a list it is free, else a host sync
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # query p sees only keys p - sliding_window < k <= p
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context, read from blocks."""
     num_tokens, num_heads, head_dim = q.shape
@@ -118,7 +126,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        block_size, head_dim,
+        block_size, head_dim, sliding_window or 0,
         GROUP=num_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,

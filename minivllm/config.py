@@ -224,13 +224,7 @@ class EngineArgs:
                 "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
 
-        backend, use_custom_ops = self._resolve_kernels(device, model_config.sliding_window)
-        if backend == "triton" and model_config.sliding_window is not None:
-            raise ValueError(
-                f"attention_backend='triton' does not implement sliding-window attention, which "
-                f"this model uses (sliding_window={model_config.sliding_window} in "
-                f"{len(model_config.sliding_window_layers)} of its "
-                f"{model_config.num_hidden_layers} layers): use attention_backend='torch'")
+        backend, use_custom_ops = self._resolve_kernels(device)
 
         tp = self.tensor_parallel_size
         executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
@@ -289,13 +283,11 @@ class EngineArgs:
             use_custom_ops=use_custom_ops,
         )
 
-    def _resolve_kernels(self, device: torch.device,
-                         sliding_window: int | None = None) -> tuple[str, bool]:
+    def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
         """The one place that picks the attention backend and the elementwise kernels.
 
-        Default: Triton on CUDA when triton is installed, plain torch elsewhere (and for a
-        sliding-window model, which only the torch backend implements). Asking for Triton where
-        it cannot run is an error that says what is missing.
+        Default: Triton on CUDA when triton is installed, plain torch elsewhere. Asking for
+        Triton where it cannot run is an error that says what is missing.
         """
         from minivllm.kernels import triton_unavailable_reason
 
@@ -307,8 +299,7 @@ class EngineArgs:
             raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {self.custom_ops!r}")
         missing = triton_unavailable_reason(device.type)
         backend = self.attention_backend or (
-            "triton" if device.type == "cuda" and missing is None and sliding_window is None
-            else "torch")
+            "triton" if device.type == "cuda" and missing is None else "torch")
         if backend == "triton" and missing:
             raise ValueError(f"attention_backend='triton' cannot run here: {missing}")
         if self.custom_ops == "all":

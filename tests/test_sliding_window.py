@@ -1,7 +1,6 @@
 """Sliding-window attention (Mistral; Qwen2 with use_sliding_window): token-identical to
 transformers on tiny random checkpoints whose window is much shorter than the prompts, under
-chunked prefill and prefix caching; the Triton backend refuses such a model with a clear
-message."""
+chunked prefill and prefix caching, in the torch backend and in the Triton kernels."""
 
 import pytest
 
@@ -75,6 +74,72 @@ def test_window_changes_the_result(window_model, tmp_path, bundled_path):
     assert [o.outputs[0].token_ids for o in windowed] != [o.outputs[0].token_ids for o in unwindowed]
 
 
-def test_triton_backend_refuses_a_sliding_window_model(window_model):
-    with pytest.raises(ValueError, match="sliding-window"):
-        EngineArgs(model=window_model, attention_backend="triton", device="cpu").create_config()
+def test_reference_window_sees_only_the_last_keys():
+    """The torch reference with a window equals plain attention over the window's keys only."""
+    import torch
+
+    from minivllm.attention.torch_backend import paged_decode_attention, paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 4, 4, 1, 8, generator=gen)
+    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)  # positions 0..15
+    keys = cache[0][table[0].long()].reshape(16, 8)
+    values = cache[1][table[0].long()].reshape(16, 8)
+    q = torch.randn(3, 1, 8, generator=gen)  # queries at positions 13, 14, 15
+
+    def by_hand(query, pos, window):
+        lo = max(0, pos - window + 1)
+        w = torch.softmax(keys[lo:pos + 1] @ query * 0.5, 0)
+        return w @ values[lo:pos + 1]
+
+    out = paged_prefill_attention(q, cache, [0, 3], [16], table, 0.5, sliding_window=5)
+    for j, pos in enumerate((13, 14, 15)):
+        torch.testing.assert_close(out[j, 0], by_hand(q[j, 0], pos, 5))
+    dec = paged_decode_attention(q[2:], cache, table, torch.tensor([16]), 0.5, sliding_window=5)
+    torch.testing.assert_close(dec[0, 0], by_hand(q[2, 0], 15, 5))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_kernels_match_the_reference_with_a_window(seed):
+    import random
+
+    import torch
+
+    from minivllm.kernels import decode_attention, prefill_attention
+    from tests.test_kernels import ATOL, _paged_context, _prefill_case, _shapes
+
+    rng = random.Random(700 + seed)
+    num_kv_heads, num_heads, head_dim, block_size = _shapes(rng)
+    window = rng.choice([1, 3, 17, 64, 100, 1000])
+    scale = head_dim**-0.5
+    # decode: contexts shorter and longer than the window, over several partitions
+    seq_lens = [rng.choice([1, window, window + 1, rng.randint(1, 300)]) for _ in range(3)]
+    cache, table = _paged_context(rng, seq_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    expected = decode_attention.reference(q, cache, table, lens, scale, sliding_window=window)
+    for num_splits in (1, rng.randint(2, 5), None):
+        out = decode_attention.paged_decode_attention(
+            q, cache, table, lens, scale, max_seq_len=max(seq_lens), num_splits=num_splits,
+            sliding_window=window)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0, msg=f"splits {num_splits}")
+    # prefill: chunks longer than a query tile, after a prefix, windows inside and across tiles
+    query_lens = [rng.choice([1, 5, 70, rng.randint(1, 130)]) for _ in range(3)]
+    context_lens = [rng.choice([0, rng.randint(1, 150)]) for _ in range(3)]
+    q, _, _, cache, table, qsl, seq_lens = _prefill_case(
+        rng, query_lens, context_lens, num_kv_heads, num_heads, head_dim, block_size)
+    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, scale,
+                                           sliding_window=window)
+    out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, scale,
+                                                    sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_triton_backend_equals_transformers(window_model):
+    expected = [hf_greedy(window_model, p, NEW_TOKENS) for p in PROMPTS[:2]]
+    llm = LLM(window_model, show_progress=False, max_model_len=128, attention_backend="triton",
+              device="cpu", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [e[:NEW_TOKENS] for e in expected]

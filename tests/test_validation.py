@@ -125,3 +125,14 @@ def test_aborted_requests_reach_the_runner_even_when_nothing_is_scheduled(llm):
     assert "gone" not in runner_rows
     assert not engine.has_unfinished_requests()
     assert engine.get_stats()["kv_blocks_used"] == 0
+
+
+def test_step_trace_is_bounded(tiny_llama):
+    """The step trace keeps the last trace_steps steps only (0: none), whatever the uptime."""
+    for keep in (0, 5):
+        llm = LLM(tiny_llama, show_progress=False, max_model_len=64, trace_steps=keep)
+        llm.generate("hello", SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        trace = llm.llm_engine.get_step_trace()
+        assert len(trace) == keep
+        if keep:
+            assert trace[-1]["step"] == llm.llm_engine.get_stats()["num_steps"]

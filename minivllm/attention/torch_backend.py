@@ -198,11 +198,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Each sequence's single query (its last token) over its whole context."""
+    """Each sequence's single query (its last token) over its whole context (or, with a
+    sliding window w, over its last w tokens)."""
     lens = seq_lens.cpu().numpy().astype(np.int64)
     qsl = np.arange(len(lens) + 1)
-    return _attend_all(q, kv_cache, qsl, lens, len(lens), block_tables, scale)
+    return _attend_all(q, kv_cache, qsl, lens, len(lens), block_tables, scale, sliding_window)
 
 
 def paged_prefill_attention(
@@ -212,18 +214,21 @@ def paged_prefill_attention(
     seq_lens,
     block_tables: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context, read from the
-    cache (the new tokens' K/V must already be written there)."""
+    cache (the new tokens' K/V must already be written there); with a sliding window w, the
+    query at position p sees keys p - w < k <= p only."""
     qsl = np.asarray(torch.as_tensor(query_start_loc).cpu(), dtype=np.int64)
     lens = np.asarray(torch.as_tensor(seq_lens).cpu(), dtype=np.int64)
-    return _attend_all(q, kv_cache, qsl, lens, 0, block_tables, scale)
+    return _attend_all(q, kv_cache, qsl, lens, 0, block_tables, scale, sliding_window)
 
 
-def _attend_all(q, kv_cache, qsl, lens, num_decodes, block_tables, scale) -> torch.Tensor:
+def _attend_all(q, kv_cache, qsl, lens, num_decodes, block_tables, scale,
+                sliding_window=None) -> torch.Tensor:
     out = torch.empty_like(q)
     for group in plan_groups(qsl, lens, num_decodes, block_tables, kv_cache.shape[2]):
-        attend_group(q, kv_cache, group, scale, out)
+        attend_group(q, kv_cache, group, scale, out, sliding_window)
     return out
 
 

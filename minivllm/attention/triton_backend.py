@@ -36,14 +36,15 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
+                sliding_window: int | None = None):
         reshape_and_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
             paged_decode_attention(
                 q[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale,
-                max_seq_len=metadata.max_seq_len, out=out[:nd],
+                max_seq_len=metadata.max_seq_len, out=out[:nd], sliding_window=sliding_window,
             )
         if metadata.num_prefills:
             end = metadata.num_actual_tokens
@@ -51,6 +52,6 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(
                 q[nd:end], kv_cache, metadata.query_start_loc[nd:] - nd, metadata.seq_lens[nd:],
                 metadata.block_tables[nd:], scale, max_query_len=metadata.max_query_len,
-                out=out[nd:end],
+                out=out[nd:end], sliding_window=sliding_window,
             )
         return out
