@@ -92,7 +92,7 @@ class EngineCore:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 # nothing to compute, but the runner must still forget these requests (their
                 # rows in its persistent batch), or it would hold them until a later step
-                self.model_runner.execute_model(scheduler_output)
+                self.model_executor.execute_model(scheduler_output)
             return []
         # labelled before update_from_output, which forgets the requests that finish
         kinds = self._step_kinds(scheduler_output) if self.step_trace.maxlen else None
