@@ -69,6 +69,19 @@ def test_generated_notebook_clears_outputs_keeps_tags_and_says_how_to_grade():
     nbformat.validate(nb)
 
 
+def test_solution_only_cells_stay_out_of_the_exercise_notebook():
+    remark = nbformat.v4.new_markdown_cell("This solution draws with multinomial.",
+                                           metadata={"tags": ["solution-only"]})
+    shown = nbformat.v4.new_code_cell("print(area(1))", metadata={"tags": ["solution-only"]})
+    nb = make_exercise_notebook(_nb(nbformat.v4.new_code_cell(SOLVED), remark, shown),
+                                "04_circles.ipynb")
+    assert len(nb.cells) == 2  # the header and the exercise
+    assert "multinomial" not in nbformat.writes(nb) and "area(1)" not in nbformat.writes(nb)
+    hidden = nbformat.v4.new_code_cell(SOLVED, metadata={"tags": ["solution-only"]})
+    with pytest.raises(ExerciseFormatError, match="solution-only cell cannot hold an exercise"):
+        make_exercise_notebook(_nb(hidden), "04_circles.ipynb")
+
+
 def test_quotes_in_the_message_are_escaped():
     source, _ = strip_solutions('### BEGIN SOLUTION Exercise 1.1: say "hi"\nx = 1\n### END SOLUTION')
     assert compile(source, "cell", "exec") and 'say \\"hi\\"' in source
