@@ -99,12 +99,14 @@ def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
 
 def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit: str = "ms",
                        title: str | None = None) -> None:
-    """Each gap between two consecutive tokens of a request, plotted at the time the later one
-    came out (one line per run): a stall is a spike, a slow-down a plateau."""
+    """Each gap between two consecutive tokens of a request, drawn as a step over the interval
+    it lasted (one line per run): a stall is a wide, high step, a slow-down a raised plateau.
+    A gap is never joined to its neighbours by a ramp: nothing came out in between."""
     scale = 1e3 if unit == "ms" else 1.0
     for label, times in token_times.items():
-        ax.plot([(b - t0) * scale for b in times[1:]],
-                [(b - a) * 1e3 for a, b in zip(times, times[1:])], ".-", markersize=3, label=label)
+        edges = [(t - t0) * scale for t in times]
+        gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        ax.stairs(gaps, edges, baseline=None, label=label)
     plain_log_axis(ax.yaxis)
     ax.set_xlabel(f"time since the long prompt arrived ({unit})")
     ax.set_ylabel("time since the previous token (ms, log scale)")
