@@ -10,6 +10,7 @@
 """
 
 import glob
+import re
 import os
 import subprocess
 import sys
@@ -67,6 +68,19 @@ def test_generated_notebook_clears_outputs_keeps_tags_and_says_how_to_grade():
     assert codes[1].metadata["tags"] == ["grade"]
     assert nb.cells[1].source == "# Ex"
     nbformat.validate(nb)
+
+
+def test_solution_only_cells_stay_out_of_the_exercise_notebook():
+    remark = nbformat.v4.new_markdown_cell("This solution draws with multinomial.",
+                                           metadata={"tags": ["solution-only"]})
+    shown = nbformat.v4.new_code_cell("print(area(1))", metadata={"tags": ["solution-only"]})
+    nb = make_exercise_notebook(_nb(nbformat.v4.new_code_cell(SOLVED), remark, shown),
+                                "04_circles.ipynb")
+    assert len(nb.cells) == 2  # the header and the exercise
+    assert "multinomial" not in nbformat.writes(nb) and "area(1)" not in nbformat.writes(nb)
+    hidden = nbformat.v4.new_code_cell(SOLVED, metadata={"tags": ["solution-only"]})
+    with pytest.raises(ExerciseFormatError, match="solution-only cell cannot hold an exercise"):
+        make_exercise_notebook(_nb(hidden), "04_circles.ipynb")
 
 
 def test_quotes_in_the_message_are_escaped():
@@ -246,3 +260,123 @@ def test_readme_course_table_links_every_chapter():
     missing = [os.path.basename(p) for p in CHAPTERS
                if f"](chapters/{os.path.basename(p)})" not in readme]
     assert not missing, f"README's course table has no row for {missing}"
+
+
+# -- no chapter gives away an exercise -------------------------------------------------------
+
+# per chapter's exercises: the package's own answer (its source), and what writing the answer
+# out in a chapter's code looks like (regexes over one code cell)
+ANSWERS = {
+    1: (["minivllm.model.layers:rms_norm", "minivllm.model.layers:rotary_embedding",
+         "minivllm.model.layers:_rotate"],
+        [r"\.pow\(2\)\.mean\(", r"rsqrt\(", r"(?s)repeat_interleave\(.*\.softmax\("]),
+    2: (["minivllm.sample.sampler:Sampler.forward", "minivllm.sample.sampler:apply_top_k_top_p",
+         "minivllm.sample.sampler:apply_top_k"],
+        [r"multinomial\("]),
+    3: (["minivllm.worker.block_table:compute_slot_mapping",
+         "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",
+         "minivllm.attention.torch_backend:paged_decode_attention",
+         "minivllm.attention.torch_backend:gather_context"],
+        [r"cdiv\(.*block_size\)\s*-\s*len\("]),
+    4: (["minivllm.core.scheduler_v0:PhaseSeparatedScheduler.schedule",
+         "minivllm.core.scheduler:Scheduler._try_admit",
+         "minivllm.core.scheduler:Scheduler._allocate_or_preempt"], []),
+    5: (["minivllm.core.scheduler:Scheduler.schedule", "minivllm.core.scheduler:Scheduler._preempt",
+         "minivllm.core.scheduler:Scheduler._try_admit",
+         "minivllm.core.scheduler:Scheduler._allocate_or_preempt"], []),
+    6: (["minivllm.core.kv_cache_utils:hash_block_tokens", "minivllm.core.kv_cache_utils:encode_block",
+         "minivllm.core.kv_cache_utils:update_block_hashes",
+         "minivllm.core.block_pool:BlockPool.get_new_blocks", "minivllm.core.block_pool:BlockPool.touch",
+         "minivllm.core.block_pool:BlockPool.free_blocks",
+         "minivllm.core.block_pool:BlockPool.cache_full_blocks"], []),
+}
+
+
+def _normalised_lines(text):
+    lines = []
+    for line in text.split("\n"):
+        line = " ".join(line.split("#")[0].split())
+        if len(line) >= 16 and not line.startswith(('"""', "def ", "@")):
+            lines.append(line)
+    return lines
+
+
+def _body_lines(dotted):
+    import importlib
+    import inspect
+
+    module, _, name = dotted.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    source = inspect.getsource(obj)
+    return name, _normalised_lines(source.split(":\n", 1)[1] if ":\n" in source else source)
+
+
+def _solution_lines(chapter):
+    lines = []
+    for path in SOLUTIONS:
+        if os.path.basename(path).startswith(f"{chapter:02d}_"):
+            for cell in _code_cells(path):
+                inside = False
+                for line in cell.source.split("\n"):
+                    if "### BEGIN SOLUTION" in line:
+                        inside = True
+                    elif "### END SOLUTION" in line:
+                        inside = False
+                    elif inside:
+                        lines += _normalised_lines(line)
+    return [line for line in lines if len(line) >= 24]
+
+
+def _shows(haystack, lines, run=3):
+    """Does ``haystack`` contain ``run`` consecutive lines of ``lines`` (or all, if fewer)?"""
+    run = min(run, len(lines))
+    if run == 0:
+        return False
+    return any(all(line in haystack for line in lines[i:i + run]) for i in range(len(lines) - run + 1))
+
+
+def _chapter_text(path):
+    code, outputs = [], []
+    for cell in _code_cells(path):
+        code.append(cell.source)
+        for o in cell.outputs:
+            outputs.append(o.get("text", "") + o.get("data", {}).get("text/plain", ""))
+    return code, " ".join(" ".join(t.split()) for t in outputs)
+
+
+def test_answer_detector_finds_a_printed_source_and_a_written_out_answer():
+    import inspect
+
+    from minivllm.core.scheduler import Scheduler
+
+    printed = " ".join(inspect.getsource(Scheduler.schedule).split())
+    name, lines = _body_lines("minivllm.core.scheduler:Scheduler.schedule")
+    assert _shows(printed, lines) and not _shows(printed[: len(printed) // 8], lines)
+    assert any(re.search(p, "k = k.repeat_interleave(3, 1)\nw = s.softmax(-1)") for p in ANSWERS[1][1])
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=os.path.basename)
+def test_no_chapter_shows_the_answer_to_an_exercise_before_it(path):
+    """A chapter neither prints the package's source of what an exercise (of this chapter or a
+    later one) asks the learner to write, nor writes that answer out in its own code."""
+    chapter = int(os.path.basename(path)[:2])
+    code, outputs = _chapter_text(path)
+    for exercise_chapter, (sources, patterns) in ANSWERS.items():
+        if exercise_chapter < chapter:
+            continue  # that exercise came before this chapter: its answer may be shown
+        for dotted in sources:
+            name, lines = _body_lines(dotted)
+            assert not _shows(outputs, lines), (
+                f"an output shows the source of {name}, the answer to an exercise of chapter "
+                f"{exercise_chapter}: explain it in prose, pseudo-code or a diagram instead")
+            assert not any(f"getsource({name}" in c for c in code), name
+        solution = _solution_lines(exercise_chapter)
+        for i, cell in enumerate(code):
+            for pattern in patterns:
+                assert not re.search(pattern, cell), (
+                    f"code cell {i} writes out the answer to an exercise of chapter "
+                    f"{exercise_chapter} ({pattern!r}): explain it in prose instead")
+            assert not _shows(cell, solution, run=2), (
+                f"code cell {i} repeats the solution of an exercise of chapter {exercise_chapter}")

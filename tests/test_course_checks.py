@@ -299,8 +299,27 @@ from minivllm.core.request import RequestStatus  # noqa: E402
 from minivllm.core.scheduler import Scheduler  # noqa: E402
 
 
+def _admit(sched, head, budget, whole_only):
+    """Admission written without the package's _try_admit: the tokens scheduled, 0 if none."""
+    hits, num_cached = sched.kv_cache_manager.get_computed_blocks(head)
+    want = head.num_tokens - num_cached
+    if sched.long_prefill_token_threshold and not whole_only:
+        want = min(want, sched.long_prefill_token_threshold)
+    if whole_only and want > budget:
+        return 0
+    want = min(want, budget)
+    if sched.kv_cache_manager.allocate_slots(head, want, num_cached, hits) is None:
+        return 0
+    sched.running.append(sched.waiting.popleft())
+    head.status = RequestStatus.RUNNING
+    head.num_computed_tokens = num_cached
+    sched.record_admission(head, num_cached)
+    return want
+
+
 class _V0(Scheduler):
-    """A phase-separated schedule(), written unlike the package's, with switchable mistakes."""
+    """A phase-separated schedule(), written unlike the package's (and without its helpers),
+    with switchable mistakes."""
 
     prefill_first = True  # False: decode whenever anything runs (waiting prompts wait)
     mix = False  # True: decode the running requests in the prefill step too
@@ -310,7 +329,7 @@ class _V0(Scheduler):
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
-            n = self._try_admit(head, budget, whole_only=True)
+            n = _admit(self, head, budget, whole_only=True)
             if not n:
                 break
             entries.append((head, n))
@@ -322,7 +341,13 @@ class _V0(Scheduler):
         for request in requests:
             if request not in self.running:
                 break  # preempted by an earlier request of this loop
-            if not self._allocate_or_preempt(request, 1, preempted):
+            while self.kv_cache_manager.allocate_slots(request, 1) is None:
+                victim = self.running.pop()
+                self._preempt(victim)  # 4.1 may use the package's state change
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in preempted:
                 break
             entries.append((request, 1))
 
@@ -337,12 +362,50 @@ class _V0(Scheduler):
 
 
 @pytest.mark.slow
-def test_v0_check_passes_the_package_scheduler_and_one_written_differently(capsys):
+def test_v0_check_passes_a_scheduler_written_without_the_package_helpers(capsys):
+    checks.check_phase_separated_scheduler(_V0)
+    assert capsys.readouterr().out.count("Exercise 4.1 passed") == 1
+
+
+class _DelegatesAdmission(_V0):
+    def _prefill(self, entries):
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            n = self._try_admit(self.waiting[0], self.max_num_batched_tokens, whole_only=True)
+            if not n:
+                break
+            entries.append((self.running[-1], n))
+
+
+class _DelegatesToSuper(Scheduler):
+    def schedule(self):
+        return super().schedule()
+
+
+class _CatchesAndDelegates(_V0):
+    def _prefill(self, entries):
+        try:
+            Scheduler._try_admit(self, self.waiting[0], 10**6, whole_only=True)
+        except AssertionError:
+            pass
+        super()._prefill(entries)
+
+
+def test_v0_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
     from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
 
-    checks.check_phase_separated_scheduler(PhaseSeparatedScheduler)
-    checks.check_phase_separated_scheduler(_V0)
-    assert capsys.readouterr().out.count("Exercise 4.1 passed") == 2
+    _fails(checks.check_phase_separated_scheduler, PhaseSeparatedScheduler, "Exercise 4.1",
+           "called PhaseSeparatedScheduler.schedule", "the package's own scheduling policy",
+           "write that yourself")
+    _fails(checks.check_phase_separated_scheduler, _DelegatesAdmission, "Exercise 4.1",
+           "called Scheduler._try_admit", "admission", "get_computed_blocks")
+    _fails(checks.check_phase_separated_scheduler, _DelegatesToSuper, "Exercise 4.1",
+           "called Scheduler.schedule")
+    _fails(checks.check_phase_separated_scheduler, _CatchesAndDelegates, "Exercise 4.1",
+           "called Scheduler._try_admit")
+    # the package's helpers are back once the check is over
+    from minivllm.core.scheduler import Scheduler as Package
+    assert Package._try_admit.__qualname__ == "Scheduler._try_admit"
+    assert PhaseSeparatedScheduler.schedule.__qualname__ == "PhaseSeparatedScheduler.schedule"
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -356,7 +419,8 @@ def test_v0_mistakes_fail_naming_them(flags, fragment):
 
 
 def test_the_v1_scheduler_is_not_a_v0_one():
-    _fails(checks.check_phase_separated_scheduler, Scheduler, "Exercise 4.1", "in v0 a step is")
+    _fails(checks.check_phase_separated_scheduler, type("V1", (_V1,), {}), "Exercise 4.1",
+           "in v0 a step is")
 
 
 def test_scheduler_checks_want_a_scheduler_class():
@@ -410,7 +474,7 @@ class _V1(Scheduler):
                 budget -= want
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
-            n = self._try_admit(self.waiting[0], budget, whole_only=False)
+            n = _admit(self, self.waiting[0], budget, whole_only=False)
             if not n:
                 break
             entries.append((self.running[-1], n))
@@ -419,10 +483,43 @@ class _V1(Scheduler):
 
 
 @pytest.mark.slow
-def test_v1_check_passes_the_package_scheduler_and_one_written_differently(capsys):
-    checks.check_unified_scheduler(Scheduler)
+def test_v1_check_passes_a_scheduler_written_without_the_package_helpers(capsys):
     checks.check_unified_scheduler(_V1)
-    assert capsys.readouterr().out.count("Exercise 5.1 passed") == 2
+    assert capsys.readouterr().out.count("Exercise 5.1 passed") == 1
+
+
+class _DelegatesPreemption(_V1):
+    def _evict(self, victim):
+        self._preempt(victim)
+
+
+class _DelegatesTheLoop(_V1):
+    def schedule(self):
+        entries, preempted, budget = [], [], self.max_num_batched_tokens
+        for request in list(self.running):
+            want = min(request.num_tokens - request.num_computed_tokens, 16, budget)
+            if request not in self.running or not self._allocate_or_preempt(request, want, preempted):
+                break
+            entries.append((request, want))
+            budget -= want
+        while not preempted and self.waiting and budget > 0:
+            n = _admit(self, self.waiting[0], budget, whole_only=False)
+            if not n:
+                break
+            entries.append((self.running[-1], n))
+            budget -= n
+        return self.make_scheduler_output(entries, preempted)
+
+
+def test_v1_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
+    _fails(checks.check_unified_scheduler, Scheduler, "Exercise 5.1", "called Scheduler.schedule",
+           "write that yourself")
+    _fails(checks.check_unified_scheduler, _DelegatesToSuper, "Exercise 5.1",
+           "called Scheduler.schedule")
+    _fails(checks.check_unified_scheduler, _DelegatesPreemption, "Exercise 5.1",
+           "called Scheduler._preempt", "front of the waiting queue")
+    _fails(checks.check_unified_scheduler, _DelegatesTheLoop, "Exercise 5.1",
+           "called Scheduler._allocate_or_preempt", "self.running.pop()")
 
 
 @pytest.mark.parametrize("flags, fragments", [
@@ -438,9 +535,10 @@ def test_v1_mistakes_fail_naming_them(flags, fragments):
 
 
 def test_the_v0_scheduler_is_not_a_v1_one():
-    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+    class V0(_V0):
+        pass
 
-    _fails(checks.check_unified_scheduler, PhaseSeparatedScheduler, "Exercise 5.1", "Expected (v1)")
+    _fails(checks.check_unified_scheduler, V0, "Exercise 5.1", "Expected (v1)")
 
 
 def test_unsolved_scheduler_exercise_propagates_not_implemented_error():

@@ -141,15 +141,21 @@ class Scheduler:
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
+        self.record_admission(request, num_cached)
+        return num_new
+
+    def record_admission(self, request: Request, num_cached_tokens: int) -> None:
+        """The statistics of admitting ``request`` with a prefix-cache hit of
+        ``num_cached_tokens``: the hit-rate counters (only with prefix caching on: off, the hit
+        rate has no data, as vLLM's, rather than a misleading 0%), and (first admission only)
+        when it was first scheduled and how much of it was cached, which its outputs report. Any
+        policy that admits a request itself (the course's exercises) calls this."""
         if getattr(self.kv_cache_manager, "enable_caching", True):
-            # counted only with prefix caching on: off, the hit rate has no data (as vLLM's),
-            # rather than a misleading 0%
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached
+            self.prefix_cache_hits += num_cached_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
-            request.num_cached_tokens = num_cached
-        return num_new
+            request.num_cached_tokens = num_cached_tokens
 
     def make_scheduler_output(
         self, scheduled: list[tuple[Request, int]], preempted: list[Request]

@@ -15,6 +15,9 @@ Cells tagged ``solution-only`` (remarks about the solution) are left out.
 Outputs and execution counts are cleared: nbval then runs every cell but compares no output,
 so a solved exercise notebook passes whatever the learner prints.
 
+A cell tagged ``solution-only`` (a remark about the solution's own code, such as how it differs
+from the package's) stays in ``solutions/`` and is left out of the exercise notebook.
+
 Exercise numbers are checked: "N.M" where N is the notebook's chapter number and M counts
 1, 2, 3... in order (one exercise may span several consecutive blocks).
 """
@@ -29,8 +32,8 @@ import nbformat
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION\b(?P<rest>.*)$")
 END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
 LABEL = re.compile(r"^\s*Exercise (?P<n>\d+)\.(?P<m>\d+):\s*(?P<what>\S.*?)\s*$")
-SOLUTION_ONLY = "solution-only"  # a cell tag: the cell stays out of the exercise notebook
 NOTEBOOK_NAME = re.compile(r"^(?P<n>\d\d)_[a-z0-9_]+\.ipynb$")
+SOLUTION_ONLY = "solution-only"  # the cell tag of what the exercise notebook leaves out
 
 HEADER = (
     "*Generated from `solutions/{name}` by `python -m minivllm.course make-exercises`: edit the "
@@ -101,8 +104,12 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
     cells = [nbformat.v4.new_markdown_cell(HEADER.format(name=name), id="generated-header")]
     labels: list[str] = []
     for i, cell in enumerate(solution.cells):
-        if SOLUTION_ONLY in cell.get("metadata", {}).get("tags", []):
-            continue  # a remark about the solution: not for the learner's notebook
+        tags = cell.get("metadata", {}).get("tags") or []
+        if SOLUTION_ONLY in tags:
+            if "### BEGIN SOLUTION" in cell.source:
+                raise ExerciseFormatError(
+                    f"{name}, cell {i}: a solution-only cell cannot hold an exercise")
+            continue
         if cell.cell_type == "code":
             source, found = strip_solutions(cell.source, where=f"{name}, cell {i}")
             labels += found
@@ -111,7 +118,6 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
             new = nbformat.v4.new_markdown_cell(cell.source)
         else:
             new = nbformat.v4.new_raw_cell(cell.source)
-        tags = cell.get("metadata", {}).get("tags")
         if tags:
             new.metadata["tags"] = list(tags)
         new["id"] = cell.get("id") or f"cell-{i}"  # stable ids: the file is the same on every run

@@ -101,12 +101,14 @@ def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
 
 def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit: str = "ms",
                        title: str | None = None) -> None:
-    """Each gap between two consecutive tokens of a request, plotted at the time the later one
-    came out (one line per run): a stall is a spike, a slow-down a plateau."""
+    """Each gap between two consecutive tokens of a request, drawn as a step over the interval
+    it lasted (one line per run): a stall is a wide, high step, a slow-down a raised plateau.
+    A gap is never joined to its neighbours by a ramp: nothing came out in between."""
     scale = 1e3 if unit == "ms" else 1.0
     for label, times in token_times.items():
-        ax.plot([(b - t0) * scale for b in times[1:]],
-                [(b - a) * 1e3 for a, b in zip(times, times[1:])], ".-", markersize=3, label=label)
+        edges = [(t - t0) * scale for t in times]
+        gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        ax.stairs(gaps, edges, baseline=None, label=label)
     plain_log_axis(ax.yaxis)
     ax.set_xlabel(f"time since the long prompt arrived ({unit})")
     ax.set_ylabel("time since the previous token (ms, log scale)")
@@ -175,8 +177,9 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
 
     Free blocks are white; cached-free blocks (nobody holds them, but they keep their hash, so a
     request with the same prefix can revive them) are green, labelled with their place in the
-    free queue (#1 is taken next, its hash evicted); blocks in use are blue, darker the more
-    requests share them, labelled with their reference count.
+    free queue (#1 is taken next, its hash evicted); free blocks are numbered the same way: the
+    queue is ordered by when a block was freed, hash or not. Blocks in use are blue, darker the
+    more requests share them, labelled with their reference count.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
@@ -196,6 +199,8 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
             text = dict(color="white" if shade > 0.6 else "black", fontsize=8, weight="bold")
         elif cached[b]:
             color, label, text = CACHED_FREE, f"#{place.get(b, '?')}", dict(color="0.25", fontsize=6)
+        elif b in place:  # free, no hash: still in the queue, in the order it was freed
+            color, label, text = FREE, f"#{place[b]}", dict(color="0.45", fontsize=6)
         else:
             color, label, text = FREE, "", {}
         ax.add_patch(Rectangle((x, y), 0.95, 0.95, edgecolor="0.6", facecolor=color))
@@ -212,8 +217,9 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
     ax.legend(handles=[
         Patch(facecolor=blues(0.6), edgecolor="0.6", label=f"in use: {used} (number: ref count)"),
         Patch(facecolor=CACHED_FREE, edgecolor="0.6",
-              label=f"cached-free: {num_cached_free} (#k: k-th in line to be reused)"),
-        Patch(facecolor=FREE, edgecolor="0.6", label=f"free: {num_blocks - used - num_cached_free}"),
+              label=f"cached-free: {num_cached_free} (#k: k-th in the free queue)"),
+        Patch(facecolor=FREE, edgecolor="0.6",
+              label=f"free: {num_blocks - used - num_cached_free} (#k: k-th in the free queue)"),
     ], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     if title:
         ax.set_title(title)

@@ -11,20 +11,28 @@ which requests arrive at fixed steps. Two things are checked:
 * the result: every request's greedy output must equal what the package's own scheduler
   produces on the same workload.
 
+The learner writes admission and preemption, so while the learner's class runs, the package's
+own scheduling helpers are unavailable (``without_package_policy``): a ``schedule()`` that
+calls ``_try_admit``, ``_allocate_or_preempt`` (or, in 5.1, ``_preempt``) or the package's
+``schedule()`` fails, naming the helper and what to write instead.
+
 Any implementation of the policy passes; only what the engine can observe is checked.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.course.checks.common import ENGINE_PROMPTS, check_engine, fail, passed
+from minivllm.course.checks.common import (
+    ENGINE_PROMPTS, CheckFailed, check_engine, fail, passed,
+)
 
 MAX_STEPS = 400
 
@@ -93,6 +101,85 @@ PREEMPT_WORKLOAD = Workload(
      (6, "chat-4", 2, 8)),
     ample_kv=False,
 )
+
+
+# -- the package's own policy, unavailable while the learner's class runs -----------------------
+
+# what each helper does, which the learner writes instead
+PACKAGE_HELPERS = {
+    "schedule": "scheduling policy",
+    "_try_admit": "admission (prefix-cache lookup with kv_cache_manager.get_computed_blocks, "
+                  "blocks with kv_cache_manager.allocate_slots, moving the request from waiting "
+                  "to running)",
+    "_allocate_or_preempt": "preemption loop (kv_cache_manager.allocate_slots; when it returns "
+                            "None, preempt self.running.pop() and try again)",
+    "_preempt": "preemption (free the blocks, num_computed_tokens = 0, count it, put it at the "
+                "front of the waiting queue)",
+}
+
+
+class DelegationError(CheckFailed):
+    """The learner's scheduler called the package's own policy instead of implementing it."""
+
+
+@contextmanager
+def without_package_policy(exercise: str, helpers: tuple[str, ...], called: list | None = None):
+    """While inside, calling ``helpers`` of the package's ``Scheduler`` or
+    ``PhaseSeparatedScheduler`` (directly, through ``super()`` or by inheriting them) fails,
+    naming the helper. Yields the list of helpers that were called (``called``, if given)."""
+    called = [] if called is None else called
+    saved = []
+    allowed = "self.kv_cache_manager, self.record_admission" + (
+        "" if "_preempt" in helpers else ", self._preempt") + " and self.make_scheduler_output"
+
+    def unavailable(owner: type, name: str):
+        def stub(self, *args, **kwargs):
+            called.append(f"{owner.__name__}.{name}")
+            raise DelegationError(
+                f"Exercise {exercise}: your scheduler called {owner.__name__}.{name}, the "
+                f"package's own {PACKAGE_HELPERS[name]}. The exercise is to write that yourself: "
+                f"while it is graded, the package's scheduling helpers "
+                f"({', '.join(helpers)}) are unavailable. You may use {allowed}.")
+        stub.__name__ = name
+        return stub
+
+    for owner in (Scheduler, PhaseSeparatedScheduler):
+        for name in helpers:
+            if name in vars(owner):
+                saved.append((owner, name, vars(owner)[name]))
+                setattr(owner, name, unavailable(owner, name))
+    try:
+        yield called
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+V0_HELPERS = ("schedule", "_try_admit", "_allocate_or_preempt")
+V1_HELPERS = ("schedule", "_try_admit", "_allocate_or_preempt", "_preempt")
+
+
+def _delegation_message(called: list[str]) -> str:
+    return (f"your scheduler called {called[0]}, the package's own "
+            f"{PACKAGE_HELPERS[called[0].split('.')[1]]}: write it yourself.")
+
+
+def _run_learner(scheduler_cls: type, watch: "Watch", check_step, helpers) -> dict:
+    workload, exercise = watch.workload, watch.exercise
+    reference_outputs(workload)  # the package's run, before its helpers become unavailable
+    probe = _probe(scheduler_cls, watch, check_step)
+    with without_package_policy(exercise, helpers, watch.called) as called:
+        try:
+            got = run_workload(probe, workload, exercise)
+        except DelegationError:
+            raise
+        except Exception as e:
+            if called:  # the learner's code caught the DelegationError and went on
+                raise DelegationError(f"Exercise {exercise}: {_delegation_message(called)}") from e
+            raise
+    if called:
+        raise DelegationError(f"Exercise {exercise}: {_delegation_message(called)}")
+    return got
 
 
 # -- running a workload ------------------------------------------------------------------------
@@ -172,6 +259,7 @@ class Watch:
     steps: int = 0
     mixed_steps: int = 0  # steps with a prefill chunk and a decode side by side
     preemptions: int = 0
+    called: list = field(default_factory=list)  # the package's helpers the scheduler called
 
     def fail(self, out, message: str) -> None:
         fail(self.exercise, f"workload '{self.workload.name}', step {self.steps}: the step "
@@ -217,6 +305,9 @@ def _probe(cls: type, watch: Watch, check_step) -> type:
             )
             out = super().schedule()
             watch.steps += 1
+            if watch.called:  # called a helper and caught the error: say so, not what followed
+                raise DelegationError(f"Exercise {watch.exercise}: "
+                                      f"{_delegation_message(watch.called)}")
             check_step(self, before, out, watch)
             return out
 
@@ -275,8 +366,8 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: Watch) -> None:
         if s.num_computed_tokens + s.num_tokens != request.num_tokens:
             watch.fail(out, f"Request {s.request_id!r} got {s.num_tokens} of its "
                             f"{request.num_tokens - s.num_computed_tokens} prompt tokens: v0 "
-                            f"prefills whole prompts (no chunking: _try_admit(..., "
-                            f"whole_only=True)). " + V0_CONVENTION)
+                            f"prefills whole prompts (no chunking: admit all of a request's "
+                            f"uncached tokens, or none). " + V0_CONVENTION)
     head = before.waiting[0] if before.waiting else None
     head_fits = (head is not None and len(before.running) < sched.max_num_seqs
                  and before.num_tokens[head] <= sched.max_num_batched_tokens)
@@ -309,7 +400,7 @@ def check_phase_separated_scheduler(scheduler_cls: type, exercise: str = "4.1") 
     """``scheduler_cls``: a ``Scheduler`` subclass whose ``schedule()`` is the v0 policy."""
     _check_is_scheduler(scheduler_cls, exercise)
     watch = Watch(exercise, V0_WORKLOAD)
-    got = run_workload(_probe(scheduler_cls, watch, _check_v0_step), V0_WORKLOAD, exercise)
+    got = _run_learner(scheduler_cls, watch, _check_v0_step, V0_HELPERS)
     _compare_outputs(exercise, V0_WORKLOAD, got)
     passed(exercise, f"{scheduler_cls.__name__} kept every one of {watch.steps} steps to a single "
                      f"phase, gave waiting prompts priority, and the engine's outputs equal the "
@@ -407,7 +498,7 @@ def check_unified_scheduler(scheduler_cls: type, exercise: str = "5.1") -> None:
     steps = 0
     for workload in (CHUNK_WORKLOAD, PREEMPT_WORKLOAD):
         watch = Watch(exercise, workload)
-        got = run_workload(_probe(scheduler_cls, watch, _check_v1_step), workload, exercise)
+        got = _run_learner(scheduler_cls, watch, _check_v1_step, V1_HELPERS)
         if workload is CHUNK_WORKLOAD and not watch.mixed_steps:
             fail(exercise, f"workload '{workload.name}': no step ran a prefill chunk beside a "
                            f"decode. The point of the unified scheduler is that decodes and "
