@@ -55,7 +55,11 @@ def swapped_scheduler(llm, **overrides):
     try:
         yield scheduler
     finally:
-        left = list(engine.output_processor.requests)
-        if left:
-            engine.abort_request(left)
-        core.replace_scheduler(*own)
+        try:
+            left = list(engine.output_processor.requests)
+            if left:
+                engine.abort_request(left)
+        finally:
+            # always put the engine's own scheduler back, even if a failing scheduler (a
+            # learner's, mid-exercise) cannot even abort its requests
+            core.replace_scheduler(*own, force=True)

@@ -53,7 +53,7 @@ class EngineCore:
         self.step_trace: deque[dict] = deque(maxlen=config.trace_steps)
 
     def replace_scheduler(self, scheduler: Scheduler, step_trace: deque | None = None,
-                          num_steps: int = 0) -> tuple[Scheduler, deque, int]:
+                          num_steps: int = 0, *, force: bool = False) -> tuple[Scheduler, deque, int]:
         """Put ``scheduler`` in charge of the next steps; return what it replaces.
 
         Only between requests (none unfinished). Requests that ended but whose end the model
@@ -61,11 +61,17 @@ class EngineCore:
         step. The step trace and the step count start over (or take the given ones). Returns the
         old scheduler, trace and step count, which a second call puts back. The course uses this
         to run one loaded model under several schedulers.
+
+        ``force`` replaces even a scheduler that still holds requests (a learner's scheduler that
+        failed mid-run, whose requests the front end has aborted): they are dropped, and the
+        runner is told they finished, so no row of its persistent batch outlives them.
         """
-        if self.scheduler.has_unfinished_requests():
+        if not force and self.scheduler.has_unfinished_requests():
             raise ValueError("the engine still has unfinished requests: finish or abort them first")
         old = self.scheduler, self.step_trace, self.num_steps
         scheduler.finished_req_ids |= old[0].finished_req_ids
+        if force:
+            scheduler.finished_req_ids |= set(getattr(old[0], "requests", {}))
         old[0].finished_req_ids = set()
         self.scheduler = scheduler
         self.step_trace = step_trace if step_trace is not None else deque(
