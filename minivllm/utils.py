@@ -36,3 +36,21 @@ def stall_window(
             elif arrival < b and a < window_end:
                 window.append(b - a)
     return steady, window
+
+
+def exit_with_parent(thread_name: str) -> None:
+    """In a spawned process: if the process that spawned it dies (even by SIGKILL), exit too, so
+    no orphan keeps a model loaded. A daemon thread waits on the parent."""
+    import multiprocessing
+    import os
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name=thread_name).start()

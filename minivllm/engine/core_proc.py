@@ -31,6 +31,7 @@ from minivllm.engine.messages import (
     EngineCoreRequestType,
     UtilityOutput,
 )
+from minivllm.utils import exit_with_parent
 
 ADD, ABORT, UTILITY, SHUTDOWN = (
     EngineCoreRequestType.ADD,
@@ -131,7 +132,7 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
 
     from minivllm.engine import serial
 
-    _exit_with_parent()
+    exit_with_parent("EngineCoreParentWatch")
     # Ctrl-C reaches the whole process group: the front end owns the shutdown and will tell us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -218,18 +219,3 @@ def _process_output_socket(socket, output_queue: queue.Queue, input_queue: queue
         input_queue.put((THREAD_FAILED, error))
     finally:
         socket.close(linger=1000)
-
-
-def _exit_with_parent() -> None:
-    """If the front end dies (even by SIGKILL), follow it: no orphan keeps the model loaded."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="EngineCoreParentWatch").start()

@@ -36,6 +36,7 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.executor.abstract import Executor
+from minivllm.utils import exit_with_parent
 
 POLL_MS = 20  # how often a waiting executor checks that its workers are alive
 
@@ -178,7 +179,7 @@ class MultiprocExecutor(Executor):
 def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_address: str,
                show_progress: bool) -> None:
     """Entry point of a worker process: load this rank's shard, then run what arrives."""
-    _exit_with_parent()
+    exit_with_parent("TPWorkerParentWatch")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     os.environ.update(dist_env)
     rank = int(dist_env["RANK"])
@@ -231,16 +232,3 @@ def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_a
     # no teardown of the process group or the interpreter: a peer may already be gone (a
     # collective would hang) and torch's teardown takes seconds
     os._exit(code)
-
-
-def _exit_with_parent() -> None:
-    """If the process that spawned this worker dies (even by SIGKILL), follow it."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="TPWorkerParentWatch").start()
