@@ -106,6 +106,8 @@ def test_triton_kernels_match_the_reference_with_a_window(seed):
     import torch
 
     from minivllm.kernels import decode_attention, prefill_attention
+    from minivllm.attention.torch_backend import paged_decode_attention as ref_decode
+    from minivllm.attention.torch_backend import paged_prefill_attention as ref_prefill
     from tests.test_kernels import ATOL, _paged_context, _prefill_case, _shapes
 
     rng = random.Random(700 + seed)
@@ -117,7 +119,7 @@ def test_triton_kernels_match_the_reference_with_a_window(seed):
     cache, table = _paged_context(rng, seq_lens, block_size, num_kv_heads, head_dim)
     q = torch.randn(len(seq_lens), num_heads, head_dim)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    expected = decode_attention.reference(q, cache, table, lens, scale, sliding_window=window)
+    expected = ref_decode(q, cache, table, lens, scale, sliding_window=window)
     for num_splits in (1, rng.randint(2, 5), None):
         out = decode_attention.paged_decode_attention(
             q, cache, table, lens, scale, max_seq_len=max(seq_lens), num_splits=num_splits,
@@ -128,8 +130,7 @@ def test_triton_kernels_match_the_reference_with_a_window(seed):
     context_lens = [rng.choice([0, rng.randint(1, 150)]) for _ in range(3)]
     q, _, _, cache, table, qsl, seq_lens = _prefill_case(
         rng, query_lens, context_lens, num_kv_heads, num_heads, head_dim, block_size)
-    expected = prefill_attention.reference(q, cache, qsl, seq_lens, table, scale,
-                                           sliding_window=window)
+    expected = ref_prefill(q, cache, qsl, seq_lens, table, scale, sliding_window=window)
     out = prefill_attention.paged_prefill_attention(q, cache, qsl, seq_lens, table, scale,
                                                     sliding_window=window)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)

@@ -55,6 +55,14 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, field):
     assert llm.llm_engine.get_stats()["kv_blocks_used"] == 0
 
 
+def test_min_tokens_beyond_the_room_left_without_max_tokens(llm):
+    # max_tokens defaults to what max_model_len leaves after the prompt; min_tokens must fit it
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate("hello there", SamplingParams(min_tokens=1000), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.get_stats()["kv_blocks_used"] == 0
+
+
 def test_bad_sampling_params_type(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate("hi", {"temperature": 0}, use_tqdm=False)

@@ -83,6 +83,11 @@ class Processor:
             params.top_k = 0
         if params.max_tokens is None:
             params.max_tokens = self.config.max_model_len - len(ids) or 1
+            if params.min_tokens > params.max_tokens:
+                raise ValueError(
+                    f"min_tokens ({params.min_tokens}) must not exceed the {params.max_tokens} "
+                    f"tokens left after the {len(ids)}-token prompt within max_model_len "
+                    f"({self.config.max_model_len})")
         core_request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
