@@ -16,6 +16,25 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the kernels inherit it: no network in the course
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (``-n N``), each worker and what it starts (notebook kernels, engine
+    core processes) gets cores // N torch threads, unless OMP_NUM_THREADS says otherwise: N
+    workers each running torch on every core would oversubscribe the machine, and torch's
+    threads then spend their time waiting for one another."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process started from here
+    import sys
+
+    if "torch" in sys.modules:  # a plugin imported it already: the variable came too late
+        sys.modules["torch"].set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
+
 import pytest  # noqa: E402
 
 GPU_TAG = "requires-gpu"

@@ -54,3 +54,17 @@ def exit_with_parent(thread_name: str) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name=thread_name).start()
+
+
+def owner_finalizer(owner, release):
+    """Call ``release()`` exactly once: when ``owner`` is garbage-collected, when the returned
+    finalizer is called (an explicit shutdown), or at interpreter exit — and there *before*
+    multiprocessing's own exit hook, which terminates daemonic children and then joins every
+    child without a timeout. ``release`` stops this owner's processes with a deadline of its own,
+    so a child that ignores SIGTERM cannot hang the exit of the process that spawned it."""
+    import multiprocessing.util
+    import weakref
+
+    at_exit = multiprocessing.util.Finalize(None, release, exitpriority=10)  # runs once
+    weakref.finalize(owner, at_exit)
+    return at_exit

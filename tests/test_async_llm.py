@@ -253,9 +253,12 @@ def test_bad_engine_argument_in_core_process_is_a_value_error(tiny_llama):
 
 
 _SCRIPT = """
-import sys, time
+import signal, sys, time
 from minivllm import LLM
 if __name__ == "__main__":
+    # as when started from a terminal: a test runner's workers may have SIGINT ignored, which
+    # their children would inherit (Python then never raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(sys.argv[1], show_progress=False, max_model_len=512, multiprocess=True)
     print(llm.llm_engine.engine_core.proc.pid, flush=True)
     time.sleep(600)

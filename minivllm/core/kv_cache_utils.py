@@ -46,7 +46,8 @@ def encode_block(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence | None = None
 ) -> bytes:
     tokens = struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
-    extra = json.dumps(list(extra_keys or []), separators=(",", ":")).encode()
+    # b"[]" is what the JSON of no extra keys encodes to (the common case: skip the encoder)
+    extra = json.dumps(list(extra_keys), separators=(",", ":")).encode() if extra_keys else b"[]"
     return _MAGIC + (parent_hash or ROOT_PARENT) + tokens + extra
 
 

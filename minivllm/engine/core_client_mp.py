@@ -6,8 +6,8 @@ The front end binds two IPC sockets and spawns the core process, which connects 
     front end  <--PULL-- output --  PUSH  engine core process   (EngineCoreOutputs)
 
 Messages are msgpack (``serial.py``). The front end owns the process: it stops it on
-shutdown, at interpreter exit (``weakref.finalize``), and the core exits by itself when the
-front end dies. When the core dies, every receive loop here notices within ``POLL_MS`` (it
+shutdown, when the client is garbage-collected and at interpreter exit (``owner_finalizer``),
+and the core exits by itself when the front end dies. When the core dies, every receive loop here notices within ``POLL_MS`` (it
 checks the process whenever the socket stays quiet) and fails what is in flight with
 ``EngineDeadError``.
 """
@@ -21,7 +21,6 @@ import shutil
 import tempfile
 import threading
 import traceback
-import weakref
 from collections import deque
 
 try:
@@ -39,6 +38,7 @@ from minivllm.engine.core_client import AsyncClientBase
 from minivllm.engine.core_proc import run_engine_core
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType
+from minivllm.utils import owner_finalizer
 
 POLL_MS = 100  # how often a quiet receive loop checks that the core process is alive
 
@@ -73,7 +73,7 @@ class MPClient:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.resources = _BackgroundResources()
-        self._finalizer = weakref.finalize(self, self.resources)
+        self._finalizer = owner_finalizer(self, self.resources)
         ctx = self.resources.ctx
         input_address = f"ipc://{self.resources.tmpdir}/input"
         output_address = f"ipc://{self.resources.tmpdir}/output"

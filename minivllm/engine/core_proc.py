@@ -135,7 +135,7 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
     exit_with_parent("EngineCoreParentWatch")
     # Ctrl-C reaches the whole process group: the front end owns the shutdown and will tell us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     ctx = zmq.Context()
     out_socket = ctx.socket(zmq.PUSH)
@@ -183,6 +183,15 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
         writer.join(timeout=2)
         ctx.term()
     sys.exit(code)
+
+
+def _exit_on_sigterm(*_) -> None:
+    """Leave the busy loop through its clean exit (SystemExit), with a deadline: SIGTERM can
+    arrive anywhere, even before that loop and its ``finally`` are reached, and a clean exit that
+    hangs (a socket still open when the ZMQ context ends) must not keep the process alive. After
+    5 s, SIGALRM's default action ends it."""
+    signal.alarm(5)
+    sys.exit(0)
 
 
 def _process_input_socket(socket, input_queue: queue.Queue, stop: threading.Event) -> None:

@@ -15,7 +15,7 @@ workers are alive; a dead worker (killed, crashed, out of memory) raises ``Runti
 the engine core, which takes the core-death path (``EngineDeadError`` for every request in
 flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
 The workers are stopped on shutdown, when the executor is garbage-collected or at exit
-(``weakref.finalize``), and each exits by itself if the process that spawned it dies.
+(``owner_finalizer``), and each exits by itself if the process that spawned it dies.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import tempfile
 import threading
 import time
 import traceback
-import weakref
 
 import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.executor.abstract import Executor
-from minivllm.utils import exit_with_parent
+from minivllm.utils import exit_with_parent, owner_finalizer
 
 POLL_MS = 20  # how often a waiting executor checks that its workers are alive
 
@@ -77,7 +76,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config, show_progress)
         self.world_size = config.tensor_parallel_size
         self.resources = _Resources()
-        self._finalizer = weakref.finalize(self, self.resources)
+        self._finalizer = owner_finalizer(self, self.resources)
         ctx, tmp = self.resources.ctx, self.resources.tmpdir
         self.broadcast_sockets = []
         for rank in range(self.world_size):
