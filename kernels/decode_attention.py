@@ -87,7 +87,7 @@ def _decode_partition_kernel(
     if SINGLE_SPLIT:  # the whole context was ours: normalise and write the output directly
         out_rows = seq * stride_o_seq + heads * stride_o_head
         tl.store(out_ptr + out_rows[:, None] + d[None, :],
-                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
                  mask=g_mask[:, None] & d_mask[None, :])
         return
     base = seq * stride_m_seq + heads * stride_m_head + split

@@ -86,7 +86,8 @@ def _prefill_kernel(
         # online_softmax_update); by the last tile every row has seen its own key
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
+    # padding rows past the chunk (masked at the store) may see no key at all: keep them finite
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
