@@ -7,9 +7,9 @@ The front end binds two IPC sockets and spawns the core process, which connects 
 
 Messages are msgpack (``serial.py``). The front end owns the process: it stops it on
 shutdown, when the client is garbage-collected and at interpreter exit (``owner_finalizer``),
-and the core exits by itself when the front end dies. When the core dies, every receive loop here notices within ``POLL_MS`` (it
-checks the process whenever the socket stays quiet) and fails what is in flight with
-``EngineDeadError``.
+and the core exits by itself when the front end dies. When the core dies, every receive loop
+here notices within ``POLL_MS`` (it checks the process whenever the socket stays quiet) and
+fails what is in flight with ``EngineDeadError``.
 """
 
 from __future__ import annotations

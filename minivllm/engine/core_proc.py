@@ -190,7 +190,8 @@ def _exit_on_sigterm(*_) -> None:
     arrive anywhere, even before that loop and its ``finally`` are reached, and a clean exit that
     hangs (a socket still open when the ZMQ context ends) must not keep the process alive. After
     5 s, SIGALRM's default action ends it."""
-    signal.alarm(5)
+    if hasattr(signal, "alarm"):  # POSIX only
+        signal.alarm(5)
     sys.exit(0)
 
 
