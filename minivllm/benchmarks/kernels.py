@@ -23,7 +23,7 @@ import torch
 from minivllm.benchmarks.common import machine_info, write_json
 from minivllm.utils import cdiv
 
-H200_HBM_BYTES_PER_S = 4.8e12  # the reference GPU's peak HBM bandwidth (GPU.md)
+H200_HBM_BYTES_PER_S = 4.8e12  # the H200 datasheet: peak HBM3e bandwidth
 H200_BF16_FLOPS = 790e12  # and its dense bf16 peak
 
 FULL = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
