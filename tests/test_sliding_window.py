@@ -4,7 +4,7 @@ chunked prefill and prefix caching, in the torch backend and in the Triton kerne
 
 import pytest
 
-from minivllm import LLM, EngineArgs, SamplingParams
+from minivllm import LLM, SamplingParams
 from minivllm.model.config import ModelConfig
 from minivllm.testing import make_checkpoint
 from tests.hf_reference import hf_greedy
