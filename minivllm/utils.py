@@ -56,6 +56,22 @@ def exit_with_parent(thread_name: str) -> None:
     threading.Thread(target=watch, daemon=True, name=thread_name).start()
 
 
+def stop_processes(procs, grace_s: float = 5.0) -> None:
+    """Stop child processes: SIGTERM to those alive, up to ``grace_s`` seconds (shared) for them
+    to exit, then SIGKILL to any left."""
+    import time
+
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
 def owner_finalizer(owner, release):
     """Call ``release()`` exactly once: when ``owner`` is garbage-collected, when the returned
     finalizer is called (an explicit shutdown), or at interpreter exit — and there *before*

@@ -38,7 +38,7 @@ from minivllm.engine.core_client import AsyncClientBase
 from minivllm.engine.core_proc import run_engine_core
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType
-from minivllm.utils import owner_finalizer
+from minivllm.utils import owner_finalizer, stop_processes
 
 POLL_MS = 100  # how often a quiet receive loop checks that the core process is alive
 
@@ -55,13 +55,8 @@ class _BackgroundResources:
 
     def __call__(self) -> None:
         self.shutting_down = True
-        proc = self.proc
-        if proc is not None and proc.is_alive():
-            proc.terminate()  # SIGTERM: the core leaves its loop and exits
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        if self.proc is not None:
+            stop_processes([self.proc])  # SIGTERM: the core leaves its loop and exits
         for socket in self.sockets:
             socket.close(linger=0)
         self.ctx.term()

@@ -35,7 +35,7 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.executor.abstract import Executor
-from minivllm.utils import exit_with_parent, owner_finalizer
+from minivllm.utils import exit_with_parent, owner_finalizer, stop_processes
 
 POLL_MS = 20  # how often a waiting executor checks that its workers are alive
 
@@ -56,15 +56,7 @@ class _Resources:
         self.sockets: list = []
 
     def __call__(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_processes(self.procs)
         for s in self.sockets:
             s.close(linger=0)
         self.ctx.term()
