@@ -95,14 +95,48 @@ def bundled_model():
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def write_tiny_checkpoint(name: str, **kwargs) -> str:
+    """A tiny random-weight Llama (2 layers, hidden 64, 4 query heads over 2 KV heads) written
+    to a fresh temporary folder, without the "Writing model shards" progress bar."""
+    import os
+    import tempfile
+
+    from transformers.utils import logging as hf_logging
+
+    from minivllm.testing import make_checkpoint
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="minivllm-course-"), name)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        make_checkpoint(folder, "llama", **kwargs)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    return folder
+
+
+@functools.lru_cache(maxsize=1)
+def check_model_path() -> str:
+    """The model the engine checks run: a tiny Llama with the bundled model's tokenizer. The
+    engine checks compare schedules, block tables, samplers and caches, not what a model knows,
+    and a step of this model costs a small fraction of one of SmolLM2. Its weights
+    are drawn at 10x the usual scale, so its greedy choices are far from ties: a different
+    (correct) order of summation cannot flip a token, a wrong computation does."""
+    from minivllm.model_hub import bundled_model_path
+
+    return write_tiny_checkpoint("tiny-llama-tokenizer", tokenizer_from=bundled_model_path(),
+                                 initializer_range=0.5)
+
+
 @functools.lru_cache(maxsize=1)
 def check_engine():
-    """An engine on the bundled model with small blocks and a small step budget, so block tables
+    """An engine on the check model with small blocks and a small step budget, so block tables
     are non-contiguous and prompts are prefilled in chunks. Components are swapped in and out."""
     from minivllm import LLM
 
-    return LLM(show_progress=False, device="cpu", block_size=8, num_kv_blocks=512,
-               max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16)
+    return LLM(check_model_path(), show_progress=False, device="cpu", block_size=8,
+               num_kv_blocks=512, max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16)
 
 
 def model_runner(llm):

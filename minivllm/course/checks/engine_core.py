@@ -11,7 +11,7 @@ in-memory queues:
 * every step's outputs reach ``output_put`` with the scheduler's stats; SHUTDOWN ends the loop;
   an exception in a step is reported as ``engine_error``, then raised;
 
-then it drives the real engine core on the bundled model: same greedy tokens as ``LLM``.
+then it drives the real engine core on the check model: same greedy tokens as ``LLM``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import random
-import tempfile
 from contextlib import contextmanager
 
 import torch
@@ -29,7 +27,9 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.torch_backend import (
     paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
 )
-from minivllm.course.checks.common import CheckFailed, compare_tensors, fail, passed
+from minivllm.course.checks.common import (
+    CheckFailed, compare_tensors, fail, passed, write_tiny_checkpoint,
+)
 from minivllm.model.layers import rms_norm as reference_rms_norm
 
 # -- the package's kernels, out of reach while a learner's runs ----------------------------------
@@ -93,19 +93,8 @@ def tiny_engine():
     """An engine on a tiny random-weight Llama (GQA: 4 query heads over 2 KV heads, head_dim
     16), small blocks and a small token budget: chunked prefills, decodes beside them."""
     from minivllm import LLM
-    from minivllm.testing import make_checkpoint
 
-    from transformers.utils import logging as hf_logging
-
-    folder = os.path.join(tempfile.mkdtemp(prefix="minivllm-course-"), "tiny-llama")
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the notebook
-    try:
-        make_checkpoint(folder, "llama", seed=0)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    return LLM(folder, **ENGINE)
+    return LLM(write_tiny_checkpoint("tiny-llama", seed=0), **ENGINE)
 
 
 def _prompts(seed: int = 0) -> list[dict]:

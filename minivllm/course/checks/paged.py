@@ -1,7 +1,7 @@
 """Checkers for chapter 03 (the paged KV cache): slot mapping, attention over blocks.
 
 Both components are compared with the package's reference on random block tables (shuffled,
-non-contiguous, padded), then run inside the real engine on the bundled SmolLM2 — small
+non-contiguous, padded), then run inside the real engine (on the check model, ``common.check_model_path``) — small
 blocks, chunked prefill, a shared prefix — whose greedy output must not change.
 """
 

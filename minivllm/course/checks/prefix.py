@@ -9,7 +9,7 @@ must be the reference's.
 6.2 ``check_block_pool(block_pool_cls)``: small scenarios with a hint for each classic mistake,
 then randomised workloads on the simulated engine (the real scheduler and KV cache manager)
 with the learner's pool and the reference's side by side, every call and every step checked
-against the rules of ``block_rules``; then the real engine on the bundled model, built with
+against the rules of ``block_rules``; then the real engine on the check model, built with
 ``LLM(block_pool_cls=...)``: same outputs, same hits as with the reference pool.
 """
 
@@ -27,7 +27,7 @@ from minivllm.course.checks.block_rules import (
     all_free_violations, checked_block_pool_cls, kv_cache_violations,
 )
 from minivllm.course.checks.common import (
-    CheckFailed, check_engine, compare_generations, fail, passed,
+    CheckFailed, check_engine, check_model_path, compare_generations, fail, passed,
 )
 
 # -- Exercise 6.1: the block hash chain -----------------------------------------------------------
@@ -486,7 +486,7 @@ def _check_pool_in_engine(cls, exercise: str) -> None:
     from minivllm.course.views import engine_core
 
     # few blocks of 4 tokens: requests share prefixes, evict each other's cache and get preempted
-    llm = LLM(show_progress=False, device="cpu", block_size=4, num_kv_blocks=14, max_model_len=48,
+    llm = LLM(check_model_path(), show_progress=False, device="cpu", block_size=4, num_kv_blocks=14, max_model_len=48,
               max_num_batched_tokens=24, max_num_seqs=4,
               block_pool_cls=checked_block_pool_cls(cls, exercise))
     scheduler = engine_core(llm).scheduler

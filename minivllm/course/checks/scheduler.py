@@ -1,7 +1,7 @@
 """Checkers for chapters 04 and 05: a learner's ``schedule()`` running the real engine.
 
 The learner subclasses ``Scheduler`` and writes ``schedule()``. The checker swaps that class
-into an engine on the bundled SmolLM2 (``minivllm.course.swap``) and replays a workload in
+into an engine on the check model (``minivllm.course.swap``) and replays a workload in
 which requests arrive at fixed steps. Two things are checked:
 
 * behaviour, step by step: a probe subclass of the learner's class looks at the queues before
