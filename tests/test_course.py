@@ -205,7 +205,12 @@ def test_fresh_exercise_notebook_fails_only_at_its_exercise_and_grading_cells(pa
 
 @pytest.mark.slow
 def test_test_command_collects_every_chapter_and_solution_notebook_and_no_exercise():
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-qq"],  # addopts: -v
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        testpaths = re.search(r"(?m)^testpaths = \[(.*)\]$", f.read())
+    assert testpaths and '"tests"' in testpaths.group(1)
+    # the notebooks the test command collects (tests/ left out: importing it all is slow)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-qq", "-p",
+                          "no:cacheprovider", "--ignore=tests"],  # addopts: -v
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     for path in CHAPTERS + SOLUTIONS:
