@@ -81,3 +81,30 @@ def test_ticking_redraws_the_bar_while_one_long_call_runs(capsys):
         time.sleep(0.3)  # one long call: no update() in between
     bar.close()
     assert capsys.readouterr().err.count("Loading:") >= 5
+
+
+def test_tokenizer_loads_as_auto_tokenizer_loads_it(bundled_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from minivllm.engine.processor import load_tokenizer
+
+    ours, auto = load_tokenizer(bundled_path), AutoTokenizer.from_pretrained(bundled_path)
+    assert type(ours) is type(auto)
+    texts = ["The capital of France is", "héllo wörld 🙂 数据", "<|im_start|>user\nhi<|im_end|>"]
+    assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, len(ours)) == \
+        (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id, len(auto))
+    # a folder whose tokenizer_config names another class goes through AutoTokenizer
+    for name in os.listdir(bundled_path):
+        if name.startswith("tokenizer") or name.startswith("special_tokens"):
+            with open(os.path.join(bundled_path, name), "rb") as src:
+                (tmp_path / name).write_bytes(src.read())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "GPT2Tokenizer"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    other = load_tokenizer(str(tmp_path))
+    assert type(other) is type(AutoTokenizer.from_pretrained(str(tmp_path)))
+    assert other.encode(texts[0]) == auto.encode(texts[0])

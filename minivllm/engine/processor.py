@@ -16,10 +16,28 @@ from minivllm.sampling_params import SamplingParams, is_utf8
 PromptType = str | dict
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+# tokenizer classes that are the generic fast tokenizer over tokenizer.json: loaded directly,
+# AutoTokenizer would only pick the same class after importing transformers' model-config
+# machinery (seconds of start-up in every process that loads a tokenizer)
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    return AutoTokenizer.from_pretrained(path)
+
+def load_tokenizer(path: str):
+    """The model folder's tokenizer, as ``AutoTokenizer.from_pretrained(path)`` loads it."""
+    import json
+    import os
+
+    import transformers
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZER_CLASSES else None
+    if cls is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return cls.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
 
 
 class Processor:
