@@ -1,0 +1,365 @@
+"""Chapter 11's tools: the ablation ladder served and measured, the simulator calibrated from an
+engine's measured steps, and the simulated serving runs that Exercise 11.1 tunes.
+
+* ``RUNGS``: the ablation ladder, one set of ``minivllm serve`` flags per rung, each adding one
+  thing to the rung before; ``rung_settings`` says what a set resolves to on a device.
+* ``serve_and_bench``: start ``minivllm serve`` with a rung's flags, drive it with ``bench
+  serve``'s client, stop it: one rung's figures.
+* ``cost_model_for`` / ``step_work`` / ``calibrate``: the simulator's roofline cost model for
+  any checkpoint's shape on any device; the work of every step an engine traced; the cost
+  model's step overhead, MFU and MBU fitted to those steps' measured times.
+* ``sim_long_prompt`` / ``sim_shared_prefix``: chapters 04-06's scenarios on the simulated
+  engine, step for step as ``minivllm bench long-prompt`` and ``bench shared-prefix`` run them
+  on a real one, so the two can be overlaid.
+* ``ServingWorkload`` / ``simulate_at_rate`` / ``evaluate_goodput``: requests arriving as a
+  Poisson process on the simulated engine; goodput, the highest request rate at which the P99
+  time to first token and the P99 inter-token latency stay within their targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from minivllm.config import SchedulerConfig
+from minivllm.sim.cost_model import CostModel
+from minivllm.sim.engine import SimEngine
+from minivllm.utils import percentile
+
+# -- the ablation ladder ---------------------------------------------------------------------
+
+# each rung adds one thing to the rung before it; every rung states all four switches, so a
+# rung never depends on a default
+RUNGS: list[tuple[str, list[str]]] = [
+    ("torch eager", ["--attention-backend", "torch", "--custom-ops", "none", "--enforce-eager",
+                     "--no-multiprocess"]),
+    ("+ Triton attention", ["--attention-backend", "triton", "--custom-ops", "none",
+                            "--enforce-eager", "--no-multiprocess"]),
+    ("+ fused kernels", ["--attention-backend", "triton", "--custom-ops", "all", "--enforce-eager",
+                         "--no-multiprocess"]),
+    ("+ CUDA graphs", ["--attention-backend", "triton", "--custom-ops", "all",
+                       "--no-enforce-eager", "--no-multiprocess"]),
+    ("+ multi-process", ["--attention-backend", "triton", "--custom-ops", "all",
+                         "--no-enforce-eager", "--multiprocess"]),
+]
+
+
+def rung_settings(flags: list[str], device: str = "cuda") -> dict:
+    """What ``minivllm serve <flags>`` runs on ``device``: parsed by the command's own parser,
+    resolved by ``EngineArgs`` (the one place that picks kernels)."""
+    import torch
+
+    from minivllm.config import EngineArgs
+    from minivllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *flags])
+    engine_args = EngineArgs.from_cli_args(args)
+    dev = torch.device(device)
+    backend, fused = engine_args._resolve_kernels(dev)
+    return {"attention": backend, "fused_kernels": fused,
+            "cuda_graphs": dev.type == "cuda" and not engine_args.enforce_eager,
+            "engine_core": "own process" if engine_args.multiprocess else "server's process"}
+
+
+def serve_and_bench(model: str | None, flags: list[str], num_prompts: int, input_len: int,
+                    output_len: int, max_concurrency: int | None = None,
+                    request_rate: float = float("inf"), seed: int = 0,
+                    env: dict | None = None, keep_results: bool = False) -> dict:
+    """``minivllm serve [model] <flags> --port 0``, then ``bench serve``'s client against it
+    (random prompts of ``input_len`` tokens, exactly ``output_len`` output tokens each, greedy,
+    streamed), then stop the server. Returns the client's summary, plus how long the server took
+    to become ready (``startup_s``) and the flags."""
+    import time
+
+    from minivllm.benchmarks.common import ServerProcess
+    from minivllm.course.loadtest import bench, client_args
+
+    start = time.perf_counter()
+    server = ServerProcess(([model] if model else []) + list(flags) + ["--port", "0"], env=env)
+    try:
+        url = server.wait_ready()
+        startup = time.perf_counter() - start
+        summary = bench(client_args(url, num_clients=max_concurrency, num_prompts=num_prompts,
+                                    input_len=input_len, output_len=output_len,
+                                    request_rate=request_rate, seed=seed),
+                        keep_results=keep_results)
+    finally:
+        server.stop()
+    return {**summary, "startup_s": startup, "flags": list(flags)}
+
+
+# -- the cost model, calibrated ----------------------------------------------------------------
+
+def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
+                   mem_bandwidth: float, mfu: float = 0.5, mbu: float = 0.7,
+                   step_overhead_s: float = 0.0) -> CostModel:
+    """The simulator's cost model for a checkpoint's shape (``config``: its config.json as a
+    dict) on a device with these peaks. FLOPs count every matmul's weights (the layers' and the
+    LM head's; an embedding lookup multiplies nothing); bytes, every weight once (tied
+    embeddings once)."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"])
+    embed = config["vocab_size"] * h
+    tied = config.get("tie_word_embeddings", False)
+    total = linear + layers * 2 * h + h + embed * (1 if tied else 2)
+    return CostModel(name=name, num_params=linear + embed, weight_bytes=total * dtype_bytes,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     dtype_bytes=dtype_bytes, peak_flops=peak_flops, mfu=mfu,
+                     mem_bandwidth=mem_bandwidth, mbu=mbu, step_overhead_s=step_overhead_s)
+
+
+def step_work(trace: list[dict]) -> list[tuple[float, list[tuple[int, int]]]]:
+    """(measured seconds, [(new tokens, context after the step)] per scheduled request) for every
+    step of an engine's ``get_step_trace()``. A request's context is everything scheduled for it
+    so far (no prefix-cache hits or preemptions in the traced run)."""
+    done: dict[str, int] = {}
+    steps = []
+    for step in trace:
+        work = []
+        for rid, n, _ in step["scheduled"]:
+            done[rid] = done.get(rid, 0) + n
+            work.append((n, done[rid]))
+        steps.append((step["duration_s"], work))
+    return steps
+
+
+def _split_times(cm: CostModel, work: list[tuple[int, int]]) -> tuple[float, float]:
+    """(compute time, memory time) of a step under ``cm``, overhead left out."""
+    compute = dataclasses.replace(cm, mem_bandwidth=float("inf"), step_overhead_s=0.0)
+    memory = dataclasses.replace(cm, peak_flops=float("inf"), step_overhead_s=0.0)
+    return compute.step_time(work), memory.step_time(work)
+
+
+def _nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
+    """argmin ||A x - y|| with x >= 0, for a handful of columns: the best of every subset's
+    unconstrained fit whose coefficients are all non-negative."""
+    import itertools
+
+    import numpy as np
+
+    a, y = np.array(columns, dtype=float).T, np.array(y, dtype=float)
+    best, best_x = float("inf"), [0.0] * a.shape[1]
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(((a[:, cols] @ sol - y) ** 2).sum())
+            if err < best:
+                best, best_x = err, [0.0] * a.shape[1]
+                for c, v in zip(cols, sol):
+                    best_x[c] = float(v)
+    return best_x
+
+
+def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
+              rounds: int = 5) -> CostModel:
+    """``cm`` with its step overhead, MFU and MBU fitted to measured steps (``step_work``).
+
+    The model says a step takes ``overhead + max(compute, memory)``. Given which of the two
+    bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit with
+    non-negative coefficients. Which one bounds a step depends on the fit, so fit, re-classify,
+    fit again until the classes stop changing."""
+    fitted = cm
+    bound = None
+    for _ in range(rounds):
+        split = [_split_times(fitted, work) for _, work in steps]
+        new_bound = [c >= m for c, m in split]
+        if new_bound == bound:
+            break
+        bound = new_bound
+        # times at utilisation 1, so the coefficients are 1 / mfu and 1 / mbu
+        unit = [_split_times(dataclasses.replace(fitted, mfu=1.0, mbu=1.0), work)
+                for _, work in steps]
+        cols = [[1.0] * len(steps),
+                [c if b else 0.0 for (c, _), b in zip(unit, bound)],
+                [0.0 if b else m for (_, m), b in zip(unit, bound)]]
+        overhead, inv_mfu, inv_mbu = _nonnegative_lstsq(cols, [t for t, _ in steps])
+        fitted = dataclasses.replace(
+            fitted, step_overhead_s=overhead,
+            mfu=1.0 / inv_mfu if inv_mfu > 0 else fitted.mfu,
+            mbu=1.0 / inv_mbu if inv_mbu > 0 else fitted.mbu)
+    return fitted
+
+
+# -- chapters 04-06's scenarios on the simulated engine ------------------------------------------
+
+def scheduler_config_of(scheduler) -> tuple[str, SchedulerConfig]:
+    """("v0" or "v1", the SchedulerConfig) a real engine's scheduler runs with, for a simulated
+    engine to run the same policy."""
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+
+    kind = "v0" if isinstance(scheduler, PhaseSeparatedScheduler) else "v1"
+    return kind, SchedulerConfig(
+        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_model_len=scheduler.max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
+        long_prefill_token_threshold=scheduler.long_prefill_token_threshold)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def sim_long_prompt(cm: CostModel, scheduler: str, config: SchedulerConfig, num_chats: int,
+                    chat_prompt_len: int, long_prompt_len: int, steady_steps: int,
+                    extra_steps: int = 1, num_blocks: int = 4096, block_size: int = 16,
+                    seed: int = 0) -> dict:
+    """``minivllm bench long-prompt``'s scenario (``run_scenario``) on the simulated engine: the
+    chats decode until each has ``steady_steps`` tokens, then the long prompt arrives; run until
+    its first token, then ``extra_steps`` more. Same keys as ``run_scenario``'s result, in
+    simulated seconds."""
+    rng = random.Random(seed)
+    sim = SimEngine(num_blocks, block_size, scheduler=scheduler, scheduler_config=config,
+                    cost_model=cm)
+    chats = [f"chat-{i}" for i in range(num_chats)]
+    for rid in chats:
+        sim.add_request(rid, _tokens(rng, chat_prompt_len), config.max_model_len - chat_prompt_len)
+    while min(len(sim.records[r].token_times) for r in chats) < steady_steps:
+        sim.step()
+    arrival = sim.clock
+    sim.add_request("long", _tokens(rng, long_prompt_len), 2, arrival)
+    steps = 0
+    while not sim.records["long"].token_times:
+        sim.step()
+        steps += 1
+    for _ in range(max(extra_steps, 1)):
+        sim.step()
+    return {"steps": steps, "long_prompt_ttft_s": sim.records["long"].ttft, "arrival": arrival,
+            "window_end": sim.records["long"].token_times[0],
+            "token_times": {r: list(rec.token_times) for r, rec in sim.records.items()},
+            "trace": sim.step_trace}
+
+
+def sim_shared_prefix(cm: CostModel, config: SchedulerConfig, prompts: list[list[int]],
+                      output_len: int, caching: bool, num_blocks: int,
+                      block_size: int = 16) -> dict:
+    """``minivllm bench shared-prefix``'s run (``run_once``) on the simulated engine: every
+    prompt arrives at once. TTFT per request, in the order of ``prompts``, and the peak of KV
+    blocks in use."""
+    sim = SimEngine(num_blocks, block_size, scheduler_config=config,
+                    enable_prefix_caching=caching, cost_model=cm)
+    for i, p in enumerate(prompts):
+        sim.add_request(str(i), list(p), output_len, 0.0)
+    records = sim.run()
+    ttfts = [records[str(i)].ttft for i in range(len(prompts))]
+    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts),
+            "peak_kv_blocks_used": sim.peak_blocks_used}
+
+
+# -- Exercise 11.1: goodput under P99 targets, simulated -------------------------------------
+
+KNOBS = ("max_num_batched_tokens", "long_prefill_token_threshold", "max_num_seqs")
+TARGET_KEYS = ("p99_ttft_ms", "p99_itl_ms")
+# the request rates (requests/s) at which a configuration is tried
+GOODPUT_RATES: tuple[float, ...] = tuple(float(r) for r in range(4, 36, 4))
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """Requests as (prompt tokens, output tokens), in arrival order, and the gaps between their
+    arrivals at one request per second (exponential: a Poisson process; at rate r each gap is
+    divided by r, so every rate sees the same requests in the same pattern)."""
+
+    requests: tuple[tuple[int, int], ...]
+    unit_gaps: tuple[float, ...]
+    description: str
+
+    @property
+    def max_model_len(self) -> int:
+        return max(p + o for p, o in self.requests) + 16
+
+
+def chat_and_documents(num_requests: int = 48, seed: int = 0, document_fraction: float = 1 / 8,
+                       chat_prompt: tuple[int, int] = (100, 1000),
+                       document_prompt: tuple[int, int] = (3000, 6000),
+                       output: tuple[int, int] = (8, 32)) -> ServingWorkload:
+    """Chats (short prompts) and, now and then, a document to summarise (a long prompt); short
+    answers. Lengths uniform in the given ranges, seeded."""
+    rng = random.Random(seed)
+    requests, gaps = [], []
+    for _ in range(num_requests):
+        long = rng.random() < document_fraction
+        prompt = rng.randint(*(document_prompt if long else chat_prompt))
+        requests.append((prompt, rng.randint(*output)))
+        gaps.append(rng.expovariate(1.0))
+    desc = (f"{num_requests} requests: chats of {chat_prompt[0]}-{chat_prompt[1]} prompt tokens, "
+            f"about 1 in {round(1 / document_fraction)} a document of {document_prompt[0]}-"
+            f"{document_prompt[1]}; {output[0]}-{output[1]} output tokens each")
+    return ServingWorkload(tuple(requests), tuple(gaps), desc)
+
+
+def config_problem(config) -> str | None:
+    """Why ``config`` is not a choice of the three knobs (None if it is)."""
+    if not isinstance(config, dict):
+        return f"expected a dict, got {type(config).__name__}"
+    if set(config) != set(KNOBS):
+        return (f"expected exactly the keys {list(KNOBS)}, got {sorted(config)}")
+    lows = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0, "max_num_seqs": 1}
+    for key in KNOBS:
+        v = config[key]
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            return f"{key} must be an int, got {v!r}"
+        if not lows[key] <= int(v) <= 65536:
+            return f"{key} must be in [{lows[key]}, 65536], got {int(v)}"
+    return None
+
+
+def simulate_at_rate(config: dict, workload: ServingWorkload, rate: float,
+                     cost_model: CostModel | None = None) -> dict:
+    """The workload arriving at ``rate`` requests/s on a simulated engine scheduled with
+    ``config`` (v1, chunked prefill, no prefix caching: the prompts share nothing; a KV cache
+    that holds every request at once). P99 TTFT and P99 ITL in simulated milliseconds."""
+    problem = config_problem(config)
+    if problem:
+        raise ValueError(problem)
+    sc = SchedulerConfig(max_num_seqs=int(config["max_num_seqs"]),
+                         max_num_batched_tokens=int(config["max_num_batched_tokens"]),
+                         max_model_len=workload.max_model_len, enable_chunked_prefill=True,
+                         long_prefill_token_threshold=int(config["long_prefill_token_threshold"]))
+    block_size = 16
+    num_blocks = sum(-(-(p + o) // block_size) for p, o in workload.requests) + 16
+    sim = SimEngine(num_blocks, block_size, scheduler_config=sc, enable_prefix_caching=False,
+                    cost_model=cost_model)
+    t = 0.0
+    for i, ((prompt, output), gap) in enumerate(zip(workload.requests, workload.unit_gaps)):
+        t += gap / rate
+        sim.add_request(f"r{i}", [100] * prompt, output, t)  # token ids matter only to caching
+    records = sim.run()
+    ttft = [r.ttft for r in records.values()]
+    itl = [b - a for r in records.values() for a, b in zip(r.token_times, r.token_times[1:])]
+    return {"rate": rate, "p99_ttft_ms": percentile(ttft, 99) * 1e3,
+            "p99_itl_ms": percentile(itl, 99) * 1e3, "duration_s": sim.clock}
+
+
+def misses(run: dict, targets: dict) -> dict[str, float]:
+    """{target: by how many ms the run misses it} (empty: the run meets both targets)."""
+    return {k: run[k] - targets[k] for k in TARGET_KEYS if run[k] > targets[k]}
+
+
+def evaluate_goodput(config: dict, workload: ServingWorkload, targets: dict,
+                     rates: tuple[float, ...] = GOODPUT_RATES,
+                     cost_model: CostModel | None = None) -> dict:
+    """Goodput of ``config``: the highest of ``rates`` at which both P99 targets are met, found
+    by bisection (a rate the engine cannot keep up with is taken to stay out of reach at every
+    higher rate). 0 if even the lowest rate misses. Returns ``goodput`` (requests/s) and every
+    simulated ``runs`` entry (rate -> P99s), and ``limit``: the run at the lowest rate tried
+    that missed a target, with ``misses`` (None if none missed)."""
+    runs: dict[float, dict] = {}
+    lo, hi = -1, len(rates)  # rates[lo] meets the targets, rates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        run = simulate_at_rate(config, workload, rates[mid], cost_model)
+        runs[rates[mid]] = run
+        if misses(run, targets):
+            hi = mid
+        else:
+            lo = mid
+    limit = runs.get(rates[hi]) if hi < len(rates) else None
+    if limit is not None:
+        limit = {**limit, "misses": misses(limit, targets)}
+    return {"goodput": rates[lo] if lo >= 0 else 0.0,
+            "runs": dict(sorted(runs.items())), "limit": limit}
