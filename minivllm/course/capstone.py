@@ -3,8 +3,9 @@ engine's measured steps, and the simulated serving runs that Exercise 11.1 tunes
 
 * ``RUNGS``: the ablation ladder, one set of ``minivllm serve`` flags per rung, each adding one
   thing to the rung before; ``rung_settings`` says what a set resolves to on a device.
-* ``serve_and_bench``: start ``minivllm serve`` with a rung's flags, drive it with ``bench
-  serve``'s client, stop it: one rung's figures.
+* ``serve_and_bench`` (``start_server`` then ``bench_server``): start ``minivllm serve`` with a
+  rung's flags, drive it with ``bench serve``'s client, stop it: one rung's figures.
+* ``first_layers``: a model's first few layers, for CPU runs that must stay short.
 * ``cost_model_for`` / ``step_work`` / ``calibrate``: the simulator's roofline cost model for
   any checkpoint's shape on any device; the work of every step an engine traced; the cost
   model's step overhead, MFU and MBU fitted to those steps' measured times.
@@ -18,7 +19,9 @@ engine's measured steps, and the simulated serving runs that Exercise 11.1 tunes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
 from dataclasses import dataclass
 
@@ -62,31 +65,127 @@ def rung_settings(flags: list[str], device: str = "cuda") -> dict:
             "engine_core": "own process" if engine_args.multiprocess else "server's process"}
 
 
-def serve_and_bench(model: str | None, flags: list[str], num_prompts: int, input_len: int,
-                    output_len: int, max_concurrency: int | None = None,
-                    request_rate: float = float("inf"), seed: int = 0,
-                    env: dict | None = None, keep_results: bool = False) -> dict:
-    """``minivllm serve [model] <flags> --port 0``, then ``bench serve``'s client against it
-    (random prompts of ``input_len`` tokens, exactly ``output_len`` output tokens each, greedy,
-    streamed), then stop the server. Returns the client's summary, plus how long the server took
-    to become ready (``startup_s``) and the flags."""
+def first_layers(source: str, folder: str, num_layers: int) -> str:
+    """A checkpoint of ``source``'s first ``num_layers`` decoder layers (its embeddings, final
+    norm and LM head too; its tokenizer): the same width, a fraction of the work per token, and
+    text that means nothing. For the CPU runs of a chapter that must stay short. Read and
+    written with safetensors' numpy API (float32 or float16 weights): nothing imports torch."""
+    import glob
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from minivllm.testing import copy_tokenizer
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    kept = {}
+    for path in sorted(glob.glob(os.path.join(source, "*.safetensors"))):
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():
+                parts = name.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                    continue
+                kept[name] = f.get_tensor(name)
+    save_file(kept, os.path.join(folder, "model.safetensors"))
+    copy_tokenizer(source, folder)
+    if os.path.isfile(os.path.join(source, "generation_config.json")):
+        shutil.copy(os.path.join(source, "generation_config.json"), folder)
+    return folder
+
+
+def start_server(model: str | None, flags: list[str], env: dict | None = None):
+    """``minivllm serve [model] <flags> --port 0`` as a child process (``ServerProcess``),
+    returned at once: it becomes ready seconds later (imports, weights; on a GPU, CUDA graphs)."""
     import time
 
     from minivllm.benchmarks.common import ServerProcess
+
+    server = ServerProcess(([model] if model else []) + list(flags) + ["--port", "0"], env=env)
+    server.started_at = time.perf_counter()
+    server.flags = list(flags)
+    return server
+
+
+def bench_url(url: str, num_prompts: int, input_len: int, output_len: int,
+              max_concurrency: int | None = None, request_rate: float = float("inf"),
+              seed: int = 0, keep_results: bool = False) -> dict:
+    """``bench serve``'s client against the server at ``url``: random prompts of ``input_len``
+    tokens, exactly ``output_len`` output tokens each, greedy, streamed; its summary."""
     from minivllm.course.loadtest import bench, client_args
 
-    start = time.perf_counter()
-    server = ServerProcess(([model] if model else []) + list(flags) + ["--port", "0"], env=env)
+    return bench(client_args(url, num_clients=max_concurrency, num_prompts=num_prompts,
+                             input_len=input_len, output_len=output_len,
+                             request_rate=request_rate, seed=seed), keep_results=keep_results)
+
+
+def bench_server(server, **workload) -> dict:
+    """Wait for ``server`` (``start_server``) to be ready, ``bench_url`` it with ``workload``,
+    stop it. The summary, plus how long the server took to become ready (``startup_s``) and its
+    flags."""
+    import time
+
     try:
         url = server.wait_ready()
-        startup = time.perf_counter() - start
-        summary = bench(client_args(url, num_clients=max_concurrency, num_prompts=num_prompts,
-                                    input_len=input_len, output_len=output_len,
-                                    request_rate=request_rate, seed=seed),
-                        keep_results=keep_results)
+        startup = time.perf_counter() - server.started_at
+        summary = bench_url(url, **workload)
     finally:
         server.stop()
-    return {**summary, "startup_s": startup, "flags": list(flags)}
+    return {**summary, "startup_s": startup, "flags": server.flags}
+
+
+@contextlib.contextmanager
+def serving_in_thread(model: str | None, flags: list[str]):
+    """What ``minivllm serve [model] <flags> --no-multiprocess`` runs (the same flags, parsed
+    by its parser; the same app over ``AsyncLLM``), on a thread of this process: no second
+    Python to start, no second import of torch. Yields the server's URL."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from minivllm.config import EngineArgs
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.cli import build_parser
+    from minivllm.entrypoints.openai.api_server import _bind, build_app
+    from minivllm.model_hub import resolve_model
+
+    args = build_parser().parse_args(["serve", *([model] if model else []), *flags,
+                                      "--no-multiprocess"])
+    args.model = resolve_model(args.model_tag or args.model)
+    name = os.path.basename(args.model)
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), show_progress=False)
+    app = build_app(engine, [name])
+    sock = _bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False,
+                                           timeout_graceful_shutdown=1))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])),
+                              daemon=True, name="capstone-server")
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            threading.Event().wait(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+        sock.close()
+        loop.close()
+
+
+def serve_and_bench(model: str | None, flags: list[str], env: dict | None = None,
+                    **workload) -> dict:
+    """One rung: ``start_server``, then ``bench_server`` with ``workload`` (its keywords)."""
+    return bench_server(start_server(model, flags, env), **workload)
 
 
 # -- the cost model, calibrated ----------------------------------------------------------------
@@ -95,9 +194,9 @@ def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
                    mem_bandwidth: float, mfu: float = 0.5, mbu: float = 0.7,
                    step_overhead_s: float = 0.0) -> CostModel:
     """The simulator's cost model for a checkpoint's shape (``config``: its config.json as a
-    dict) on a device with these peaks. FLOPs count every matmul's weights (the layers' and the
-    LM head's; an embedding lookup multiplies nothing); bytes, every weight once (tied
-    embeddings once)."""
+    dict) on a device with these peaks. FLOPs: the decoder layers' matmuls, 2 per weight per
+    token (the LM head runs on one token per sequence, not on every prompt token; an embedding
+    lookup multiplies nothing); bytes: every weight once (tied embeddings once)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -106,7 +205,7 @@ def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
     embed = config["vocab_size"] * h
     tied = config.get("tie_word_embeddings", False)
     total = linear + layers * 2 * h + h + embed * (1 if tied else 2)
-    return CostModel(name=name, num_params=linear + embed, weight_bytes=total * dtype_bytes,
+    return CostModel(name=name, num_params=linear, weight_bytes=total * dtype_bytes,
                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                      dtype_bytes=dtype_bytes, peak_flops=peak_flops, mfu=mfu,
                      mem_bandwidth=mem_bandwidth, mbu=mbu, step_overhead_s=step_overhead_s)
@@ -163,9 +262,15 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
     The model says a step takes ``overhead + max(compute, memory)``. Given which of the two
     bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit with
     non-negative coefficients. Which one bounds a step depends on the fit, so fit, re-classify,
-    fit again until the classes stop changing."""
+    fit again until the classes stop changing.
+
+    A coefficient the steps cannot tell apart from the overhead (every decode step of a small
+    model reads the same weights: its memory time is a constant) comes out 0: that term is then
+    folded into the overhead (its utilisation set to infinity, its time to 0), so the model
+    predicts what the fit found. ``calibration`` on the result says what was fitted."""
     fitted = cm
     bound = None
+    coefs = (cm.step_overhead_s, 1.0 / cm.mfu, 1.0 / cm.mbu)
     for _ in range(rounds):
         split = [_split_times(fitted, work) for _, work in steps]
         new_bound = [c >= m for c, m in split]
@@ -178,11 +283,15 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
         cols = [[1.0] * len(steps),
                 [c if b else 0.0 for (c, _), b in zip(unit, bound)],
                 [0.0 if b else m for (_, m), b in zip(unit, bound)]]
-        overhead, inv_mfu, inv_mbu = _nonnegative_lstsq(cols, [t for t, _ in steps])
+        coefs = _nonnegative_lstsq(cols, [t for t, _ in steps])
+        overhead, inv_mfu, inv_mbu = coefs
         fitted = dataclasses.replace(
             fitted, step_overhead_s=overhead,
-            mfu=1.0 / inv_mfu if inv_mfu > 0 else fitted.mfu,
-            mbu=1.0 / inv_mbu if inv_mbu > 0 else fitted.mbu)
+            mfu=1.0 / inv_mfu if inv_mfu > 0 else float("inf"),
+            mbu=1.0 / inv_mbu if inv_mbu > 0 else float("inf"))
+    fitted.calibration = {"num_steps": len(steps), "compute_bound_steps": sum(bound or []),
+                          "memory_bound_steps": len(steps) - sum(bound or []),
+                          "mfu_fitted": coefs[1] > 0, "mbu_fitted": coefs[2] > 0}
     return fitted
 
 
@@ -232,6 +341,27 @@ def sim_long_prompt(cm: CostModel, scheduler: str, config: SchedulerConfig, num_
             "window_end": sim.records["long"].token_times[0],
             "token_times": {r: list(rec.token_times) for r, rec in sim.records.items()},
             "trace": sim.step_trace}
+
+
+def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """``bench shared-prefix``'s run (``run_once``) on an engine already loaded: every prompt
+    arrives at once, greedy, exactly ``output_len`` tokens each. TTFT per request, in the order
+    of ``prompts``, and the peak of KV blocks in use (read after every step)."""
+    import time
+
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.time()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": list(p)}, params, arrival_time=start)
+    finished, peak = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        peak = max(peak, engine.get_stats()["kv_blocks_used"])
+    ttfts = [finished[str(i)].metrics.ttft for i in range(len(prompts))]
+    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts), "peak_kv_blocks_used": peak}
 
 
 def sim_shared_prefix(cm: CostModel, config: SchedulerConfig, prompts: list[list[int]],
