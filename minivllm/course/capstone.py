@@ -260,38 +260,35 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
     """``cm`` with its step overhead, MFU and MBU fitted to measured steps (``step_work``).
 
     The model says a step takes ``overhead + max(compute, memory)``. Given which of the two
-    bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit with
-    non-negative coefficients. Which one bounds a step depends on the fit, so fit, re-classify,
-    fit again until the classes stop changing.
-
-    A coefficient the steps cannot tell apart from the overhead (every decode step of a small
-    model reads the same weights: its memory time is a constant) comes out 0: that term is then
-    folded into the overhead (its utilisation set to infinity, its time to 0), so the model
-    predicts what the fit found. ``calibration`` on the result says what was fitted."""
-    fitted = cm
+    bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit, with
+    the overhead >= 0 and MFU, MBU <= 1 (no engine beats the peaks it is measured against).
+    Which one bounds a step depends on the fit, so fit, re-classify, fit again until the classes
+    stop changing. ``calibration`` on the result says how many steps each bound took and which
+    utilisation ended at its bound of 100% (the steps asked for a faster term than the peak
+    allows: what they took beyond it went to the overhead)."""
+    fitted = dataclasses.replace(cm, mfu=min(cm.mfu, 1.0), mbu=min(cm.mbu, 1.0))
     bound = None
-    coefs = (cm.step_overhead_s, 1.0 / cm.mfu, 1.0 / cm.mbu)
+    extra = (0.0, 0.0, 0.0)
     for _ in range(rounds):
         split = [_split_times(fitted, work) for _, work in steps]
         new_bound = [c >= m for c, m in split]
         if new_bound == bound:
             break
         bound = new_bound
-        # times at utilisation 1, so the coefficients are 1 / mfu and 1 / mbu
+        # each step's time at utilisation 1: the least its bounding term can take
         unit = [_split_times(dataclasses.replace(fitted, mfu=1.0, mbu=1.0), work)
                 for _, work in steps]
-        cols = [[1.0] * len(steps),
-                [c if b else 0.0 for (c, _), b in zip(unit, bound)],
-                [0.0 if b else m for (_, m), b in zip(unit, bound)]]
-        coefs = _nonnegative_lstsq(cols, [t for t, _ in steps])
-        overhead, inv_mfu, inv_mbu = coefs
-        fitted = dataclasses.replace(
-            fitted, step_overhead_s=overhead,
-            mfu=1.0 / inv_mfu if inv_mfu > 0 else float("inf"),
-            mbu=1.0 / inv_mbu if inv_mbu > 0 else float("inf"))
+        compute = [c if b else 0.0 for (c, _), b in zip(unit, bound)]
+        memory = [0.0 if b else m for (_, m), b in zip(unit, bound)]
+        # time = overhead + (1 + x) * compute + (1 + y) * memory, with overhead, x, y >= 0
+        rest = [t - c - m for (t, _), c, m in zip(steps, compute, memory)]
+        extra = _nonnegative_lstsq([[1.0] * len(steps), compute, memory], rest)
+        overhead, x, y = extra
+        fitted = dataclasses.replace(fitted, step_overhead_s=overhead, mfu=1.0 / (1.0 + x),
+                                     mbu=1.0 / (1.0 + y))
     fitted.calibration = {"num_steps": len(steps), "compute_bound_steps": sum(bound or []),
                           "memory_bound_steps": len(steps) - sum(bound or []),
-                          "mfu_fitted": coefs[1] > 0, "mbu_fitted": coefs[2] > 0}
+                          "mfu_at_bound": extra[1] == 0.0, "mbu_at_bound": extra[2] == 0.0}
     return fitted
 
 
