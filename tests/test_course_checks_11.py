@@ -122,6 +122,16 @@ def test_evaluating_an_invalid_config_fails():
     _fails(tune, "tune called evaluate with an invalid config", "exactly the keys")
 
 
+def test_returning_the_graders_reference_fails():
+    from minivllm.course.checks import capstone
+
+    def tune(evaluate, targets):
+        return next(dict(ref) for t, ref in capstone.CASES if t == targets)
+
+    _fails(tune, "reference choices", "search with evaluate")
+    assert capstone.CASES == CASES  # put back
+
+
 def test_an_unsolved_exercise_raises_its_not_implemented_error():
     def tune(evaluate, targets):
         raise NotImplementedError("Exercise 11.1: search")

@@ -12,12 +12,13 @@ The grader runs the learner's tuner on two sets of targets and passes it when ea
 valid config whose goodput reaches that of a reference choice (found by a grid search over
 256-8192 tokens, thresholds none-1024, 4-256 sequences, and re-evaluated here, so it follows the
 scheduler as it is). A choice that falls short is told which target it misses at the next rate
-up, and by how much.
+up, and by how much. While the tuner runs, the reference choices (``CASES``) are out of its reach.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 from minivllm.course.capstone import (
     GOODPUT_RATES, KNOBS, TARGET_KEYS, chat_and_documents, config_problem, evaluate_goodput,
@@ -53,6 +54,19 @@ HINTS = {
 }
 
 
+class _Hidden:
+    """Stands in for ``CASES`` while the learner's tuner runs: the references are the grader's."""
+
+    def __init__(self, exercise: str) -> None:
+        self.exercise = exercise
+
+    def _refuse(self, *args, **kwargs):
+        fail(self.exercise, "tune reads the grader's reference choices (checks.capstone.CASES); "
+                            "search with evaluate instead")
+
+    __getitem__ = __iter__ = __len__ = _refuse
+
+
 def _describe_misses(run: dict, targets: dict) -> str:
     parts = [f"{NAMES[k]} {run[k]:.1f} ms > {targets[k]:g} ms (by {run['misses'][k]:.1f} ms)"
              for k in TARGET_KEYS if k in run["misses"]]
@@ -67,8 +81,9 @@ def check_goodput_tuner(tune, exercise: str = "11.1") -> None:
     """``tune(evaluate, targets) -> {max_num_batched_tokens, long_prefill_token_threshold,
     max_num_seqs}``, graded on the simulated engine for two sets of P99 targets."""
     workload = chat_and_documents()
+    cases = CASES
     report = []
-    for targets, reference in CASES:
+    for targets, reference in cases:
         memo: dict[tuple, dict] = {}
         calls = [0]
 
@@ -90,7 +105,12 @@ def check_goodput_tuner(tune, exercise: str = "11.1") -> None:
                                "is a set of simulated serving runs). " + CONVENTION)
             return copy.deepcopy(goodput_of(config))
 
-        got = tune(evaluate, dict(targets))
+        module = sys.modules[__name__]
+        module.CASES = _Hidden(exercise)
+        try:
+            got = tune(evaluate, dict(targets))
+        finally:
+            module.CASES = cases
         problem = config_problem(got)
         if problem:
             fail(exercise, f"for targets {targets}, tune returned {got!r}: {problem}. {CONVENTION}")
