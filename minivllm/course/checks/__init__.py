@@ -6,6 +6,7 @@ component passes and raises ``CheckFailed`` (an AssertionError) naming what was 
 what came back when it does not.
 """
 
+from minivllm.course.checks.capstone import check_goodput_tuner
 from minivllm.course.checks.common import CheckFailed
 from minivllm.course.checks.detokenizer import check_detokenizer
 from minivllm.course.checks.engine_core import check_busy_loop
@@ -47,4 +48,5 @@ __all__ = [
     "check_persistent_batch",
     "check_graph_runner",
     "check_capture_sizes",
+    "check_goodput_tuner",
 ]

@@ -1,0 +1,495 @@
+"""Chapter 11's tools: the ablation ladder served and measured, the simulator calibrated from an
+engine's measured steps, and the simulated serving runs that Exercise 11.1 tunes.
+
+* ``RUNGS``: the ablation ladder, one set of ``minivllm serve`` flags per rung, each adding one
+  thing to the rung before; ``rung_settings`` says what a set resolves to on a device.
+* ``serve_and_bench`` (``start_server`` then ``bench_server``): start ``minivllm serve`` with a
+  rung's flags, drive it with ``bench serve``'s client (``bench_url``), stop it: one rung's
+  figures. ``serving_in_thread``: the same server app and flags on a thread of this process
+  (what a CPU can afford in a notebook).
+* ``first_layers``: a model's first few layers, for CPU runs that must stay short.
+* ``cost_model_for`` / ``step_work`` / ``calibrate``: the simulator's roofline cost model for
+  any checkpoint's shape on any device; the work of every step an engine traced; the cost
+  model's step overhead, MFU and MBU fitted to those steps' measured times.
+* ``sim_long_prompt`` / ``sim_shared_prefix``: chapters 04-06's scenarios on the simulated
+  engine, step for step as ``minivllm bench long-prompt`` and ``bench shared-prefix`` run them
+  on a real one (``run_all_at_once``: the latter on an engine already loaded), so the two can
+  be overlaid.
+* ``ServingWorkload`` / ``simulate_at_rate`` / ``evaluate_goodput``: requests arriving as a
+  Poisson process on the simulated engine; goodput, the highest request rate at which the P99
+  time to first token and the P99 inter-token latency stay within their targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+from dataclasses import dataclass
+
+from minivllm.config import SchedulerConfig
+from minivllm.sim.cost_model import CostModel
+from minivllm.sim.engine import SimEngine
+from minivllm.utils import percentile
+
+# -- the ablation ladder ---------------------------------------------------------------------
+
+# each rung adds one thing to the rung before it; every rung states all four switches, so a
+# rung never depends on a default
+RUNGS: list[tuple[str, list[str]]] = [
+    ("torch eager", ["--attention-backend", "torch", "--custom-ops", "none", "--enforce-eager",
+                     "--no-multiprocess"]),
+    ("+ Triton attention", ["--attention-backend", "triton", "--custom-ops", "none",
+                            "--enforce-eager", "--no-multiprocess"]),
+    ("+ fused kernels", ["--attention-backend", "triton", "--custom-ops", "all", "--enforce-eager",
+                         "--no-multiprocess"]),
+    ("+ CUDA graphs", ["--attention-backend", "triton", "--custom-ops", "all",
+                       "--no-enforce-eager", "--no-multiprocess"]),
+    ("+ multi-process", ["--attention-backend", "triton", "--custom-ops", "all",
+                         "--no-enforce-eager", "--multiprocess"]),
+]
+
+
+def rung_settings(flags: list[str], device: str = "cuda") -> dict:
+    """What ``minivllm serve <flags>`` runs on ``device``: parsed by the command's own parser,
+    resolved by ``EngineArgs`` (the one place that picks kernels)."""
+    import torch
+
+    from minivllm.config import EngineArgs
+    from minivllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *flags])
+    engine_args = EngineArgs.from_cli_args(args)
+    dev = torch.device(device)
+    backend, fused = engine_args._resolve_kernels(dev)
+    return {"attention": backend, "fused_kernels": fused,
+            "cuda_graphs": dev.type == "cuda" and not engine_args.enforce_eager,
+            "engine_core": "own process" if engine_args.multiprocess else "server's process"}
+
+
+def first_layers(source: str, folder: str, num_layers: int) -> str:
+    """A checkpoint of ``source``'s first ``num_layers`` decoder layers (its embeddings, final
+    norm and LM head too; its tokenizer): the same width, a fraction of the work per token, and
+    text that means nothing. For the CPU runs of a chapter that must stay short. Read and
+    written with safetensors' numpy API (float32 or float16 weights): nothing imports torch."""
+    import glob
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from minivllm.testing import copy_tokenizer
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    kept = {}
+    for path in sorted(glob.glob(os.path.join(source, "*.safetensors"))):
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():
+                parts = name.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                    continue
+                kept[name] = f.get_tensor(name)
+    save_file(kept, os.path.join(folder, "model.safetensors"))
+    copy_tokenizer(source, folder)
+    if os.path.isfile(os.path.join(source, "generation_config.json")):
+        shutil.copy(os.path.join(source, "generation_config.json"), folder)
+    return folder
+
+
+def start_server(model: str | None, flags: list[str], env: dict | None = None):
+    """``minivllm serve [model] <flags> --port 0`` as a child process (``ServerProcess``),
+    returned at once: it becomes ready seconds later (imports, weights; on a GPU, CUDA graphs)."""
+    import time
+
+    from minivllm.benchmarks.common import ServerProcess
+
+    server = ServerProcess(([model] if model else []) + list(flags) + ["--port", "0"], env=env)
+    server.started_at = time.perf_counter()
+    server.flags = list(flags)
+    return server
+
+
+def bench_url(url: str, num_prompts: int, input_len: int, output_len: int,
+              max_concurrency: int | None = None, request_rate: float = float("inf"),
+              seed: int = 0, keep_results: bool = False) -> dict:
+    """``bench serve``'s client against the server at ``url``: random prompts of ``input_len``
+    tokens, exactly ``output_len`` output tokens each, greedy, streamed; its summary."""
+    from minivllm.course.loadtest import bench, client_args
+
+    return bench(client_args(url, num_clients=max_concurrency, num_prompts=num_prompts,
+                             input_len=input_len, output_len=output_len,
+                             request_rate=request_rate, seed=seed), keep_results=keep_results)
+
+
+def bench_server(server, **workload) -> dict:
+    """Wait for ``server`` (``start_server``) to be ready, ``bench_url`` it with ``workload``,
+    stop it. The summary, plus how long the server took to become ready (``startup_s``) and its
+    flags."""
+    import time
+
+    try:
+        url = server.wait_ready()
+        startup = time.perf_counter() - server.started_at
+        summary = bench_url(url, **workload)
+    finally:
+        server.stop()
+    return {**summary, "startup_s": startup, "flags": server.flags}
+
+
+@contextlib.contextmanager
+def serving_in_thread(model: str | None, flags: list[str]):
+    """What ``minivllm serve [model] <flags> --no-multiprocess`` runs (the same flags, parsed
+    by its parser; the same app over ``AsyncLLM``), on a thread of this process: no second
+    Python to start, no second import of torch. Yields the server's URL."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from minivllm.config import EngineArgs
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.cli import build_parser
+    from minivllm.entrypoints.openai.api_server import _bind, build_app
+    from minivllm.model_hub import resolve_model
+
+    args = build_parser().parse_args(["serve", *([model] if model else []), *flags,
+                                      "--no-multiprocess"])
+    args.model = resolve_model(args.model_tag or args.model)
+    name = os.path.basename(args.model)
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), show_progress=False)
+    app = build_app(engine, [name])
+    sock = _bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False,
+                                           timeout_graceful_shutdown=1))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])),
+                              daemon=True, name="capstone-server")
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            threading.Event().wait(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+        sock.close()
+        loop.close()
+
+
+def serve_and_bench(model: str | None, flags: list[str], env: dict | None = None,
+                    **workload) -> dict:
+    """One rung: ``start_server``, then ``bench_server`` with ``workload`` (its keywords)."""
+    return bench_server(start_server(model, flags, env), **workload)
+
+
+# -- the cost model, calibrated ----------------------------------------------------------------
+
+def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
+                   mem_bandwidth: float, mfu: float = 0.5, mbu: float = 0.7,
+                   step_overhead_s: float = 0.0) -> CostModel:
+    """The simulator's cost model for a checkpoint's shape (``config``: its config.json as a
+    dict) on a device with these peaks. FLOPs: the decoder layers' matmuls, 2 per weight per
+    token (the LM head runs on one token per sequence, not on every prompt token; an embedding
+    lookup multiplies nothing); bytes: every weight once (tied embeddings once)."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"])
+    embed = config["vocab_size"] * h
+    tied = config.get("tie_word_embeddings", False)
+    total = linear + layers * 2 * h + h + embed * (1 if tied else 2)
+    return CostModel(name=name, num_params=linear, weight_bytes=total * dtype_bytes,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     dtype_bytes=dtype_bytes, peak_flops=peak_flops, mfu=mfu,
+                     mem_bandwidth=mem_bandwidth, mbu=mbu, step_overhead_s=step_overhead_s)
+
+
+def step_work(trace: list[dict]) -> list[tuple[float, list[tuple[int, int]]]]:
+    """(measured seconds, [(new tokens, context after the step)] per scheduled request) for every
+    step of an engine's ``get_step_trace()``. A request's context is everything scheduled for it
+    so far (no prefix-cache hits or preemptions in the traced run)."""
+    done: dict[str, int] = {}
+    steps = []
+    for step in trace:
+        work = []
+        for rid, n, _ in step["scheduled"]:
+            done[rid] = done.get(rid, 0) + n
+            work.append((n, done[rid]))
+        steps.append((step["duration_s"], work))
+    return steps
+
+
+def _split_times(cm: CostModel, work: list[tuple[int, int]]) -> tuple[float, float]:
+    """(compute time, memory time) of a step under ``cm``, overhead left out."""
+    compute = dataclasses.replace(cm, mem_bandwidth=float("inf"), step_overhead_s=0.0)
+    memory = dataclasses.replace(cm, peak_flops=float("inf"), step_overhead_s=0.0)
+    return compute.step_time(work), memory.step_time(work)
+
+
+def _nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
+    """argmin ||A x - y|| with x >= 0, for a handful of columns: the best of every subset's
+    unconstrained fit whose coefficients are all non-negative."""
+    import itertools
+
+    import numpy as np
+
+    a, y = np.array(columns, dtype=float).T, np.array(y, dtype=float)
+    best, best_x = float("inf"), [0.0] * a.shape[1]
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(((a[:, cols] @ sol - y) ** 2).sum())
+            if err < best:
+                best, best_x = err, [0.0] * a.shape[1]
+                for c, v in zip(cols, sol):
+                    best_x[c] = float(v)
+    return best_x
+
+
+def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
+              rounds: int = 5) -> CostModel:
+    """``cm`` with its step overhead, MFU and MBU fitted to measured steps (``step_work``).
+
+    The model says a step takes ``overhead + max(compute, memory)``. Given which of the two
+    bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit, with
+    the overhead >= 0 and MFU, MBU <= 1 (no engine beats the peaks it is measured against).
+    Which one bounds a step depends on the fit, so fit, re-classify, fit again until the classes
+    stop changing. ``calibration`` on the result says how many steps each bound took and which
+    utilisation ended at its bound of 100% (the steps asked for a faster term than the peak
+    allows: what they took beyond it went to the overhead)."""
+    fitted = dataclasses.replace(cm, mfu=min(cm.mfu, 1.0), mbu=min(cm.mbu, 1.0))
+    bound = None
+    extra = (0.0, 0.0, 0.0)
+    for _ in range(rounds):
+        split = [_split_times(fitted, work) for _, work in steps]
+        new_bound = [c >= m for c, m in split]
+        if new_bound == bound:
+            break
+        bound = new_bound
+        # each step's time at utilisation 1: the least its bounding term can take
+        unit = [_split_times(dataclasses.replace(fitted, mfu=1.0, mbu=1.0), work)
+                for _, work in steps]
+        compute = [c if b else 0.0 for (c, _), b in zip(unit, bound)]
+        memory = [0.0 if b else m for (_, m), b in zip(unit, bound)]
+        # time = overhead + (1 + x) * compute + (1 + y) * memory, with overhead, x, y >= 0
+        rest = [t - c - m for (t, _), c, m in zip(steps, compute, memory)]
+        extra = _nonnegative_lstsq([[1.0] * len(steps), compute, memory], rest)
+        overhead, x, y = extra
+        fitted = dataclasses.replace(fitted, step_overhead_s=overhead, mfu=1.0 / (1.0 + x),
+                                     mbu=1.0 / (1.0 + y))
+    fitted.calibration = {"num_steps": len(steps), "compute_bound_steps": sum(bound or []),
+                          "memory_bound_steps": len(steps) - sum(bound or []),
+                          "mfu_at_bound": extra[1] == 0.0, "mbu_at_bound": extra[2] == 0.0}
+    return fitted
+
+
+# -- chapters 04-06's scenarios on the simulated engine ------------------------------------------
+
+def scheduler_config_of(scheduler) -> tuple[str, SchedulerConfig]:
+    """("v0" or "v1", the SchedulerConfig) a real engine's scheduler runs with, for a simulated
+    engine to run the same policy."""
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+
+    kind = "v0" if isinstance(scheduler, PhaseSeparatedScheduler) else "v1"
+    return kind, SchedulerConfig(
+        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_model_len=scheduler.max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
+        long_prefill_token_threshold=scheduler.long_prefill_token_threshold)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def sim_long_prompt(cm: CostModel, scheduler: str, config: SchedulerConfig, num_chats: int,
+                    chat_prompt_len: int, long_prompt_len: int, steady_steps: int,
+                    extra_steps: int = 1, num_blocks: int = 4096, block_size: int = 16,
+                    seed: int = 0) -> dict:
+    """``minivllm bench long-prompt``'s scenario (``run_scenario``) on the simulated engine: the
+    chats decode until each has ``steady_steps`` tokens, then the long prompt arrives; run until
+    its first token, then ``extra_steps`` more. Same keys as ``run_scenario``'s result, in
+    simulated seconds."""
+    rng = random.Random(seed)
+    sim = SimEngine(num_blocks, block_size, scheduler=scheduler, scheduler_config=config,
+                    cost_model=cm)
+    chats = [f"chat-{i}" for i in range(num_chats)]
+    for rid in chats:
+        sim.add_request(rid, _tokens(rng, chat_prompt_len), config.max_model_len - chat_prompt_len)
+    while min(len(sim.records[r].token_times) for r in chats) < steady_steps:
+        sim.step()
+    arrival = sim.clock
+    sim.add_request("long", _tokens(rng, long_prompt_len), 2, arrival)
+    steps = 0
+    while not sim.records["long"].token_times:
+        sim.step()
+        steps += 1
+    for _ in range(max(extra_steps, 1)):
+        sim.step()
+    return {"steps": steps, "long_prompt_ttft_s": sim.records["long"].ttft, "arrival": arrival,
+            "window_end": sim.records["long"].token_times[0],
+            "token_times": {r: list(rec.token_times) for r, rec in sim.records.items()},
+            "trace": sim.step_trace}
+
+
+def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """``bench shared-prefix``'s run (``run_once``) on an engine already loaded: every prompt
+    arrives at once, greedy, exactly ``output_len`` tokens each. TTFT per request, in the order
+    of ``prompts``, and the peak of KV blocks in use (read after every step)."""
+    import time
+
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.time()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": list(p)}, params, arrival_time=start)
+    finished, peak = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        peak = max(peak, engine.get_stats()["kv_blocks_used"])
+    ttfts = [finished[str(i)].metrics.ttft for i in range(len(prompts))]
+    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts), "peak_kv_blocks_used": peak}
+
+
+def sim_shared_prefix(cm: CostModel, config: SchedulerConfig, prompts: list[list[int]],
+                      output_len: int, caching: bool, num_blocks: int,
+                      block_size: int = 16) -> dict:
+    """``minivllm bench shared-prefix``'s run (``run_once``) on the simulated engine: every
+    prompt arrives at once. TTFT per request, in the order of ``prompts``, and the peak of KV
+    blocks in use."""
+    sim = SimEngine(num_blocks, block_size, scheduler_config=config,
+                    enable_prefix_caching=caching, cost_model=cm)
+    for i, p in enumerate(prompts):
+        sim.add_request(str(i), list(p), output_len, 0.0)
+    records = sim.run()
+    ttfts = [records[str(i)].ttft for i in range(len(prompts))]
+    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts),
+            "peak_kv_blocks_used": sim.peak_blocks_used}
+
+
+# -- Exercise 11.1: goodput under P99 targets, simulated -------------------------------------
+
+KNOBS = ("max_num_batched_tokens", "long_prefill_token_threshold", "max_num_seqs")
+TARGET_KEYS = ("p99_ttft_ms", "p99_itl_ms")
+# the request rates (requests/s) at which a configuration is tried
+GOODPUT_RATES: tuple[float, ...] = tuple(float(r) for r in range(4, 36, 4))
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """Requests as (prompt tokens, output tokens), in arrival order, and the gaps between their
+    arrivals at one request per second (exponential: a Poisson process; at rate r each gap is
+    divided by r, so every rate sees the same requests in the same pattern)."""
+
+    requests: tuple[tuple[int, int], ...]
+    unit_gaps: tuple[float, ...]
+    description: str
+
+    @property
+    def max_model_len(self) -> int:
+        return max(p + o for p, o in self.requests) + 16
+
+
+def chat_and_documents(num_requests: int = 48, seed: int = 0, document_fraction: float = 1 / 8,
+                       chat_prompt: tuple[int, int] = (100, 1000),
+                       document_prompt: tuple[int, int] = (3000, 6000),
+                       output: tuple[int, int] = (8, 32)) -> ServingWorkload:
+    """Chats (short prompts) and, now and then, a document to summarise (a long prompt); short
+    answers. Lengths uniform in the given ranges, seeded."""
+    rng = random.Random(seed)
+    requests, gaps = [], []
+    for _ in range(num_requests):
+        long = rng.random() < document_fraction
+        prompt = rng.randint(*(document_prompt if long else chat_prompt))
+        requests.append((prompt, rng.randint(*output)))
+        gaps.append(rng.expovariate(1.0))
+    desc = (f"{num_requests} requests: chats of {chat_prompt[0]}-{chat_prompt[1]} prompt tokens, "
+            f"about 1 in {round(1 / document_fraction)} a document of {document_prompt[0]}-"
+            f"{document_prompt[1]}; {output[0]}-{output[1]} output tokens each")
+    return ServingWorkload(tuple(requests), tuple(gaps), desc)
+
+
+def config_problem(config) -> str | None:
+    """Why ``config`` is not a choice of the three knobs (None if it is)."""
+    if not isinstance(config, dict):
+        return f"expected a dict, got {type(config).__name__}"
+    if set(config) != set(KNOBS):
+        return (f"expected exactly the keys {list(KNOBS)}, got {sorted(config)}")
+    lows = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0, "max_num_seqs": 1}
+    for key in KNOBS:
+        v = config[key]
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            return f"{key} must be an int, got {v!r}"
+        if not lows[key] <= int(v) <= 65536:
+            return f"{key} must be in [{lows[key]}, 65536], got {int(v)}"
+    return None
+
+
+def simulate_at_rate(config: dict, workload: ServingWorkload, rate: float,
+                     cost_model: CostModel | None = None) -> dict:
+    """The workload arriving at ``rate`` requests/s on a simulated engine scheduled with
+    ``config`` (v1, chunked prefill, no prefix caching: the prompts share nothing; a KV cache
+    that holds every request at once). P99 TTFT and P99 ITL in simulated milliseconds."""
+    problem = config_problem(config)
+    if problem:
+        raise ValueError(problem)
+    sc = SchedulerConfig(max_num_seqs=int(config["max_num_seqs"]),
+                         max_num_batched_tokens=int(config["max_num_batched_tokens"]),
+                         max_model_len=workload.max_model_len, enable_chunked_prefill=True,
+                         long_prefill_token_threshold=int(config["long_prefill_token_threshold"]))
+    block_size = 16
+    num_blocks = sum(-(-(p + o) // block_size) for p, o in workload.requests) + 16
+    sim = SimEngine(num_blocks, block_size, scheduler_config=sc, enable_prefix_caching=False,
+                    cost_model=cost_model)
+    t = 0.0
+    for i, ((prompt, output), gap) in enumerate(zip(workload.requests, workload.unit_gaps)):
+        t += gap / rate
+        sim.add_request(f"r{i}", [100] * prompt, output, t)  # token ids matter only to caching
+    records = sim.run()
+    ttft = [r.ttft for r in records.values()]
+    itl = [b - a for r in records.values() for a, b in zip(r.token_times, r.token_times[1:])]
+    return {"rate": rate, "p99_ttft_ms": percentile(ttft, 99) * 1e3,
+            "p99_itl_ms": percentile(itl, 99) * 1e3, "duration_s": sim.clock}
+
+
+def misses(run: dict, targets: dict) -> dict[str, float]:
+    """{target: by how many ms the run misses it} (empty: the run meets both targets)."""
+    return {k: run[k] - targets[k] for k in TARGET_KEYS if run[k] > targets[k]}
+
+
+def evaluate_goodput(config: dict, workload: ServingWorkload, targets: dict,
+                     rates: tuple[float, ...] = GOODPUT_RATES,
+                     cost_model: CostModel | None = None) -> dict:
+    """Goodput of ``config``: the highest of ``rates`` at which both P99 targets are met, found
+    by bisection (a rate the engine cannot keep up with is taken to stay out of reach at every
+    higher rate). 0 if even the lowest rate misses. Returns ``goodput`` (requests/s) and every
+    simulated ``runs`` entry (rate -> P99s), and ``limit``: the run at the lowest rate tried
+    that missed a target, with ``misses`` (None if none missed)."""
+    runs: dict[float, dict] = {}
+    lo, hi = -1, len(rates)  # rates[lo] meets the targets, rates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        run = simulate_at_rate(config, workload, rates[mid], cost_model)
+        runs[rates[mid]] = run
+        if misses(run, targets):
+            hi = mid
+        else:
+            lo = mid
+    limit = runs.get(rates[hi]) if hi < len(rates) else None
+    if limit is not None:
+        limit = {**limit, "misses": misses(limit, targets)}
+    return {"goodput": rates[lo] if lo >= 0 else 0.0,
+            "runs": dict(sorted(runs.items())), "limit": limit}

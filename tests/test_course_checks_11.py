@@ -1,0 +1,151 @@
+"""The checker of chapter 11 (Exercise 11.1, tuning the scheduler for goodput under P99 targets
+on the simulated engine): a correct tuner passes, and each classic mistake fails with a
+CheckFailed that names the target missed (and by how much) or the convention broken."""
+
+import pytest
+
+from minivllm.course import checks
+from minivllm.course.capstone import (
+    GOODPUT_RATES, chat_and_documents, config_problem, evaluate_goodput, simulate_at_rate,
+)
+from minivllm.course.checks.capstone import CASES, MAX_EVALUATIONS
+
+
+def _fails(tune, *fragments):
+    with pytest.raises(checks.CheckFailed) as info:
+        checks.check_goodput_tuner(tune)
+    message = str(info.value)
+    assert message.startswith("Exercise 11.1: "), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def _config(budget, threshold, seqs):
+    return {"max_num_batched_tokens": budget, "long_prefill_token_threshold": threshold,
+            "max_num_seqs": seqs}
+
+
+def sweep_tuner(evaluate, targets):
+    """A plain search, not the solution's: the budget first (at 64 sequences), then the number
+    of sequences at the best budget; the most goodput wins."""
+    tried = {}
+    for budget in (256, 384, 512, 768, 1024, 1536):
+        tried[(budget, 0, 64)] = evaluate(_config(budget, 0, 64))["goodput"]
+    best = max(tried, key=tried.get)
+    for seqs in (16, 32, 256):
+        tried[(best[0], 0, seqs)] = evaluate(_config(best[0], 0, seqs))["goodput"]
+    return _config(*max(tried, key=tried.get))
+
+
+def fixed(config):
+    def tune(evaluate, targets):
+        return dict(config) if isinstance(config, dict) else config
+    return tune
+
+
+# -- a correct answer ------------------------------------------------------------------------
+
+def test_a_search_that_reaches_the_reference_passes(capsys):
+    checks.check_goodput_tuner(sweep_tuner)
+    out = capsys.readouterr().out
+    assert out.startswith("Exercise 11.1 passed") and "20 requests/s" in out, out
+
+
+def test_the_references_are_valid_and_their_goodput_is_inside_the_ladder():
+    workload = chat_and_documents()
+    for targets, reference in CASES:
+        assert config_problem(reference) is None
+        ev = evaluate_goodput(reference, workload, targets)
+        assert GOODPUT_RATES[0] < ev["goodput"] < GOODPUT_RATES[-1], (targets, ev["goodput"])
+
+
+def test_the_simulation_is_deterministic():
+    workload = chat_and_documents()
+    config = _config(512, 0, 64)
+    assert simulate_at_rate(config, workload, 12.0) == simulate_at_rate(config, workload, 12.0)
+
+
+# -- typical mistakes ------------------------------------------------------------------------
+
+def test_maximising_throughput_and_ignoring_the_itl_target_fails_naming_it():
+    # a GPU's default budget: whole documents in one step, every decode in it waits
+    message = _fails(fixed(_config(8192, 0, 256)), "P99 ITL", "> 25 ms (by", "the reference "
+                     "choice sustains 20", "max_num_batched_tokens")
+    assert "max_num_batched_tokens=8192" in message
+
+
+def test_a_budget_too_large_for_any_rate_says_it_misses_at_the_lowest_rate():
+    _fails(fixed(_config(2048, 0, 256)), "even at the lowest rate, 4 requests/s", "P99 ITL")
+
+
+def test_too_few_sequences_fails_on_the_ttft_target():
+    _fails(fixed(_config(512, 0, 4)), "P99 TTFT", "> 500 ms (by", "max_num_seqs")
+
+
+def test_one_fixed_choice_cannot_serve_both_sets_of_targets():
+    # the reference of the second set of targets, returned for the first as well
+    _fails(fixed(CASES[1][1]), "P99 TTFT <= 500 ms, P99 ITL <= 25 ms", "P99 ITL")
+
+
+def test_an_over_cautious_choice_reaches_less_goodput():
+    _fails(fixed(_config(256, 0, 64)), "sustains 16 requests/s", "reference choice sustains 20")
+
+
+@pytest.mark.parametrize("returned, fragment", [
+    ({"max_num_batched_tokens": 512, "max_num_seqs": 64}, "exactly the keys"),
+    ({**_config(512, 0, 64), "enable_chunked_prefill": True}, "exactly the keys"),
+    (_config("512", 0, 64), "max_num_batched_tokens must be an int"),
+    (_config(512, 0.5, 64), "long_prefill_token_threshold must be an int"),
+    (_config(512, -1, 64), "long_prefill_token_threshold must be in [0, 65536]"),
+    (_config(512, 0, 0), "max_num_seqs must be in [1, 65536]"),
+    ((512, 0, 64), "expected a dict"),
+])
+def test_a_malformed_choice_fails_with_the_convention(returned, fragment):
+    _fails(fixed(returned), fragment, "Expected: tune(evaluate, targets)")
+
+
+def test_too_many_evaluations_fail():
+    def grid(evaluate, targets):
+        for _ in range(MAX_EVALUATIONS + 5):  # each call counts, even of a choice tried before
+            evaluate(_config(512, 0, 64))
+        return _config(512, 0, 64)
+
+    _fails(grid, f"more than {MAX_EVALUATIONS} times")
+
+
+def test_evaluating_an_invalid_config_fails():
+    def tune(evaluate, targets):
+        evaluate({"max_num_batched_tokens": 512})
+        return _config(512, 0, 64)
+
+    _fails(tune, "tune called evaluate with an invalid config", "exactly the keys")
+
+
+def test_returning_the_graders_reference_fails():
+    from minivllm.course.checks import capstone
+
+    def tune(evaluate, targets):
+        return next(dict(ref) for t, ref in capstone.CASES if t == targets)
+
+    _fails(tune, "reference choices", "search with evaluate")
+    assert capstone.CASES == CASES  # put back
+
+
+def test_an_unsolved_exercise_raises_its_not_implemented_error():
+    def tune(evaluate, targets):
+        raise NotImplementedError("Exercise 11.1: search")
+
+    with pytest.raises(NotImplementedError, match="Exercise 11.1"):
+        checks.check_goodput_tuner(tune)
+
+
+def test_evaluate_hands_out_copies():
+    """A tuner that scribbles on what evaluate returned cannot change its own grade."""
+    def tune(evaluate, targets):
+        ev = evaluate(_config(256, 0, 64))
+        ev["goodput"] = 99.0
+        ev["runs"].clear()
+        return _config(256, 0, 64)
+
+    _fails(tune, "sustains 16 requests/s")
