@@ -12,7 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_gpu_check_quick_mode_runs_and_writes_every_section(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    # the GPU-marked tests all live in test_gpu.py (skipped here without CUDA); looking only
+    # there spares importing every test module a second time
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path),
+           "GPU_TEST_PATHS": os.path.join("tests", "test_gpu.py")}
     done = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), "--quick",
                            "--num-prompts", "4"], capture_output=True, text=True, env=env,
                           timeout=900)

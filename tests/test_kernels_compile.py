@@ -24,4 +24,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "aot_compile.py")],
                           capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled 23 kernel variants" in done.stdout
+    assert "compiled 18 kernel variants" in done.stdout
