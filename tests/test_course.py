@@ -252,9 +252,10 @@ def test_conftest_skips_gpu_cells_and_ignores_what_varies_but_compares_the_rest(
         (tmp_path / "conftest.py").write_text(f.read())
     nbformat.write(_nb(_cell("address"), _cell("stderr"), _cell("gpu"), _cell("checked")),
                    str(tmp_path / "probe.ipynb"))
-    command = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--nbval",
-               "--nbval-current-env", "probe.ipynb"]
-    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-p", "nbval",
+               "--nbval", "--nbval-current-env", "probe.ipynb"]
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # nbval is the plugin under test
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env)
     report = out.stdout
     assert "1 failed, 2 passed, 1 skipped" in report, report  # only the changed stdout fails
     assert "FAILED probe.ipynb::Cell 3" in report, report

@@ -96,20 +96,35 @@ def bundled_model():
 
 
 def write_tiny_checkpoint(name: str, **kwargs) -> str:
-    """A tiny random-weight Llama (2 layers, hidden 64, 4 query heads over 2 KV heads) written
-    to a fresh temporary folder, without the "Writing model shards" progress bar."""
+    """A tiny random-weight Llama (2 layers, hidden 64, 4 query heads over 2 KV heads): the folder
+    of ``make_checkpoint(folder, "llama", **kwargs)``, written once into minivllm's cache (the
+    graders of every notebook share it) without the "Writing model shards" progress bar."""
+    import hashlib
     import os
+    import shutil
     import tempfile
 
+    from minivllm.model_hub import cache_dir
+    from minivllm.testing import TINY_PRESETS, make_checkpoint
+
+    key = repr((TINY_PRESETS["llama"], sorted(kwargs.items()), torch.__version__))
+    root = os.path.join(cache_dir(), "course")
+    folder = os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
     from transformers.utils import logging as hf_logging
 
-    from minivllm.testing import make_checkpoint
-
-    folder = os.path.join(tempfile.mkdtemp(prefix="minivllm-course-"), name)
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        make_checkpoint(folder, "llama", **kwargs)
+        make_checkpoint(scratch, "llama", **kwargs)
+        os.rename(scratch, folder)  # whole or not at all: config.json marks a finished folder
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise  # (if it is there, another process wrote it first)
     finally:
         if shown:
             hf_logging.enable_progress_bar()
