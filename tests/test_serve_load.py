@@ -263,8 +263,11 @@ def test_killing_the_core_under_load_fails_cleanly(server):
         return results, unhealthy_after, time.monotonic() - killed
 
     results, unhealthy_after, elapsed = asyncio.run(run())
-    assert unhealthy_after < 1.0, unhealthy_after
-    assert elapsed < 5, elapsed  # every request got its answer: nothing hangs
+    # the front end sees the death within POLL_MS (0.1 s); the rest is the server answering
+    # /health while it fails 32 requests, on a 2-core machine whose other core runs another
+    # test file (1.65 s seen there once): the bounds tell a prompt failure from a hang
+    assert unhealthy_after < 3.0, unhealthy_after
+    assert elapsed < 8, elapsed  # every request got its answer: nothing hangs
     assert all(isinstance(r, openai.APIError) for r in results), results
     assert any("engine" in str(r) for r in results)
     r = httpx.get(server.url + "/health")
