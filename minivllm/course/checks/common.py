@@ -120,12 +120,13 @@ def write_tiny_checkpoint(name: str, **kwargs) -> str:
     hf_logging.disable_progress_bar()
     try:
         make_checkpoint(scratch, "llama", **kwargs)
-        os.rename(scratch, folder)  # whole or not at all: config.json marks a finished folder
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise  # (if it is there, another process wrote it first)
+        try:
+            os.rename(scratch, folder)  # whole or not at all: config.json marks a finished folder
+        except OSError:
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                raise  # (if it is there, another process wrote it first)
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # left only if not renamed
         if shown:
             hf_logging.enable_progress_bar()
     return folder
@@ -135,8 +136,8 @@ def write_tiny_checkpoint(name: str, **kwargs) -> str:
 def check_model_path() -> str:
     """The model the engine checks run: a tiny Llama with the bundled model's tokenizer. The
     engine checks compare schedules, block tables, samplers and caches, not what a model knows,
-    and a step of this model costs a small fraction of one of SmolLM2. Its weights
-    are drawn at 10x the usual scale, so its greedy choices are far from ties: a different
+    and a step of this model costs a small fraction of a SmolLM2 step. Its weights are drawn
+    at 10x the usual scale, so its greedy choices are far from ties: a different
     (correct) order of summation cannot flip a token, a wrong computation does."""
     from minivllm.model_hub import bundled_model_path
 
