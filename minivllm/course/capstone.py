@@ -149,15 +149,11 @@ def serving_in_thread(model: str | None, flags: list[str]):
     """What ``minivllm serve [model] <flags> --no-multiprocess`` runs (the same flags, parsed
     by its parser; the same app over ``AsyncLLM``), on a thread of this process: no second
     Python to start, no second import of torch. Yields the server's URL."""
-    import asyncio
-    import threading
-
-    import uvicorn
-
     from minivllm.config import EngineArgs
+    from minivllm.course.checks.serving import app_in_thread
     from minivllm.engine.async_llm import AsyncLLM
     from minivllm.entrypoints.cli import build_parser
-    from minivllm.entrypoints.openai.api_server import _bind, build_app
+    from minivllm.entrypoints.openai.api_server import build_app
     from minivllm.model_hub import resolve_model
 
     args = build_parser().parse_args(["serve", *([model] if model else []), *flags,
@@ -165,24 +161,8 @@ def serving_in_thread(model: str | None, flags: list[str]):
     args.model = resolve_model(args.model_tag or args.model)
     name = os.path.basename(args.model)
     engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), show_progress=False)
-    app = build_app(engine, [name])
-    sock = _bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False,
-                                           timeout_graceful_shutdown=1))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])),
-                              daemon=True, name="capstone-server")
-    thread.start()
-    try:
-        while not server.started and thread.is_alive():
-            threading.Event().wait(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
-        sock.close()
-        loop.close()
+    with app_in_thread(build_app(engine, [name]), engine) as url:
+        yield url
 
 
 def serve_and_bench(model: str | None, flags: list[str], env: dict | None = None,

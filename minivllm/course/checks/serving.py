@@ -41,18 +41,27 @@ PROMPTS = [
 @contextlib.contextmanager
 def serving(chat_stream=None, **engine_kwargs):
     """A minivllm server on a free port in a thread of this process; yields its base URL."""
-    import uvicorn
-
     from minivllm.config import EngineArgs
     from minivllm.engine.async_llm import AsyncLLM
-    from minivllm.entrypoints.openai.api_server import _bind, build_app
+    from minivllm.entrypoints.openai.api_server import build_app
     from minivllm.model_hub import BUNDLED_NAME
 
     args = dict(device="cpu", max_model_len=512, num_kv_blocks=256, multiprocess=False)
     engine = AsyncLLM.from_engine_args(EngineArgs(**{**args, **engine_kwargs}), show_progress=False)
     app = build_app(engine, [BUNDLED_NAME], chat_stream=chat_stream)
+    with app_in_thread(app, engine) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def app_in_thread(app, engine):
+    """Serve ``app`` (over ``engine``, an ``AsyncLLM``) with uvicorn on a free port, on a thread
+    of this process; yields the base URL; stops the server, then the engine."""
+    import uvicorn
+
+    from minivllm.entrypoints.openai.api_server import _bind
+
     sock = _bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False,
                                            timeout_graceful_shutdown=1))
     loop = asyncio.new_event_loop()
@@ -60,11 +69,9 @@ def serving(chat_stream=None, **engine_kwargs):
                               daemon=True, name="course-server")
     thread.start()
     try:
-        for _ in range(500):
-            if server.started:
-                break
+        while not server.started and thread.is_alive():
             threading.Event().wait(0.01)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
