@@ -33,18 +33,27 @@ def run_once(model, caching: bool, prompts: list[list[int]], output_len: int, **
 
     ``engine_args`` go to ``LLM`` (e.g. ``max_num_batched_tokens``).
     """
-    from minivllm import LLM, SamplingParams
+    from minivllm import LLM
 
     block_size = 16
     max_len = max(len(p) for p in prompts) + output_len
     need = len(prompts) * cdiv(max_len, block_size)
     llm = LLM(model, show_progress=False, enable_prefix_caching=caching, num_kv_blocks=need + 16,
               block_size=block_size, max_model_len=max_len, **engine_args)
+    return run_all_at_once(llm, prompts, output_len)
+
+
+def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """On an engine already loaded: every prompt arrives at once, greedy, exactly
+    ``output_len`` tokens each. TTFTs in the order of ``prompts``, and the peak of KV blocks in
+    use (read after every step); the prefix-cache hits are the engine's totals."""
+    from minivllm import SamplingParams
+
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.time()
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params, arrival_time=start)
+        engine.add_request(str(i), {"prompt_token_ids": list(p)}, params, arrival_time=start)
     finished = []
     peak_blocks = 0
     while engine.has_unfinished_requests():

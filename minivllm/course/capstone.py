@@ -28,6 +28,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from minivllm.benchmarks.shared_prefix import run_all_at_once  # noqa: F401 (the chapter's name)
 from minivllm.config import SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
@@ -321,27 +322,6 @@ def sim_long_prompt(cm: CostModel, scheduler: str, config: SchedulerConfig, num_
             "window_end": sim.records["long"].token_times[0],
             "token_times": {r: list(rec.token_times) for r, rec in sim.records.items()},
             "trace": sim.step_trace}
-
-
-def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """``bench shared-prefix``'s run (``run_once``) on an engine already loaded: every prompt
-    arrives at once, greedy, exactly ``output_len`` tokens each. TTFT per request, in the order
-    of ``prompts``, and the peak of KV blocks in use (read after every step)."""
-    import time
-
-    from minivllm import SamplingParams
-
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.time()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": list(p)}, params, arrival_time=start)
-    finished, peak = {}, 0
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        peak = max(peak, engine.get_stats()["kv_blocks_used"])
-    ttfts = [finished[str(i)].metrics.ttft for i in range(len(prompts))]
-    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts), "peak_kv_blocks_used": peak}
 
 
 def sim_shared_prefix(cm: CostModel, config: SchedulerConfig, prompts: list[list[int]],
