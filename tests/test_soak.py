@@ -17,12 +17,12 @@ def test_short_soak(tiny_llama, tmp_path, capsys):
 
     out = tmp_path / "soak.json"
     args = build_parser().parse_args([
-        "bench", "soak", "--num-requests", "150", "--warmup-requests", "30", "--concurrency", "16",
+        "bench", "soak", "--num-requests", "100", "--warmup-requests", "20", "--concurrency", "16",
         "--server-args", f"{tiny_llama} --max-model-len 256", "--json", str(out)])
     assert args.func(args) == 0, capsys.readouterr().out[-3000:]
     result = json.loads(out.read_text())
     outcomes = result["outcomes"]
-    assert sum(outcomes.values()) == result["num_requests"] == 150
+    assert sum(outcomes.values()) == result["num_requests"] == 100
     assert "unexpected" not in outcomes, result["unexpected_examples"]
     assert outcomes.get("stream_ok", 0) > 0 and outcomes.get("full_ok", 0) > 0
     assert outcomes.get("invalid_refused", 0) > 0 and outcomes.get("disconnected", 0) > 0

@@ -40,12 +40,15 @@ def _xxhash(data: bytes) -> bytes:
 
 
 HASH_FUNCTIONS = {"sha256": _sha256, "xxhash": _xxhash}
+_PACKERS: dict[int, struct.Struct] = {}  # one compiled struct per block length
 
 
 def encode_block(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence | None = None
 ) -> bytes:
-    tokens = struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
+    n = len(token_ids)
+    packer = _PACKERS.get(n) or _PACKERS.setdefault(n, struct.Struct(f"<I{n}I"))
+    tokens = packer.pack(n, *token_ids)
     # b"[]" is what the JSON of no extra keys encodes to (the common case: skip the encoder)
     extra = json.dumps(list(extra_keys), separators=(",", ":")).encode() if extra_keys else b"[]"
     return _MAGIC + (parent_hash or ROOT_PARENT) + tokens + extra
@@ -69,10 +72,10 @@ def update_block_hashes(request, block_size: int, algo: str = "sha256") -> list[
     hashes = request.block_hashes
     tokens = request.all_token_ids
     num_full = len(tokens) // block_size
+    hash_fn = HASH_FUNCTIONS[algo]
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
         block = tokens[i * block_size : (i + 1) * block_size]
-        hashes.append(
-            hash_block_tokens(parent, block, block_extra_keys(i, request.cache_salt), algo)
-        )
+        extra = block_extra_keys(i, request.cache_salt) if i == 0 else None
+        hashes.append(hash_fn(encode_block(parent, block, extra)))
     return hashes
