@@ -129,6 +129,30 @@ def test_llm_tensor_parallel_matches_size_1(peaked_models, family, tp):
 
 
 @pytest.mark.slow
+def test_in_process_engine_dies_cleanly_when_a_worker_is_killed(peaked_models):
+    """LLM (the core in this process): a killed worker raises EngineDeadError within a second,
+    every later call raises it too, and the other worker is stopped."""
+    from minivllm.engine.exceptions import EngineDeadError
+
+    llm = LLM(peaked_models["llama"], show_progress=False, tensor_parallel_size=2, **ENGINE)
+    engine = llm.llm_engine
+    workers = _workers(llm)
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=500, ignore_eos=True))
+    engine.step()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker 1"):
+        while True:
+            engine.step()
+    assert time.monotonic() - killed < 1.0
+    with pytest.raises(EngineDeadError):
+        llm.generate("again", GREEDY, use_tqdm=False)
+    workers[0].join(5)
+    assert not any(w.is_alive() for w in workers)  # no process left behind
+    llm.llm_engine.shutdown()  # still safe to call
+
+
+@pytest.mark.slow
 def test_torchrun_ranks_match_size_1(peaked_models):
     """One process per rank started by torchrun, as across machines: rank 0 runs the engine and
     broadcasts each step through torch.distributed; the output is size 1's."""

@@ -24,20 +24,36 @@ from minivllm.engine.core import EngineCore
 from minivllm.engine.core_proc import EngineCoreProc, configure_cpu_threads
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType
+from minivllm.executor.abstract import WorkerDiedError
 
 
 class InprocClient:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.engine_core = EngineCore(config, show_progress=show_progress)
+        self.dead_error: EngineDeadError | None = None
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(request_ids)
+        if self.dead_error is None:  # a dead engine holds nothing to abort
+            self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> list[EngineCoreOutput]:
-        return self.engine_core.step()
+        self._check_alive()
+        try:
+            return self.engine_core.step()
+        except WorkerDiedError as e:
+            # the multi-process core's death path, in this process: every later call raises
+            # too, and the surviving workers are stopped (they would wait on the dead one)
+            self.dead_error = EngineDeadError(f"the engine core cannot go on: {e}")
+            self.engine_core.shutdown()
+            raise self.dead_error from e
 
     def call_utility(self, method: str, *args):
         """Call an inspection method of the core (get_stats, get_step_trace, ...)."""

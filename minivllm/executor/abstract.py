@@ -20,6 +20,11 @@ from minivllm.config import EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone (killed, crashed, out of memory): the engine cannot go on.
+    The core-death path turns it into ``EngineDeadError`` for everyone waiting."""
+
+
 class Executor:
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:

@@ -11,7 +11,7 @@ scheduler output is a diff (``minivllm/core/sched_output.py``). ``broadcast_stat
 the bytes and the time spent pickling and sending.
 
 Failure: while it waits for an answer the executor checks every few milliseconds that all its
-workers are alive; a dead worker (killed, crashed, out of memory) raises ``RuntimeError`` in
+workers are alive; a dead worker (killed, crashed, out of memory) raises ``WorkerDiedError`` in
 the engine core, which takes the core-death path (``EngineDeadError`` for every request in
 flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
 The workers are stopped on shutdown, when the executor is garbage-collected or at exit
@@ -34,7 +34,7 @@ import traceback
 import zmq
 
 from minivllm.config import EngineConfig
-from minivllm.executor.abstract import Executor
+from minivllm.executor.abstract import Executor, WorkerDiedError
 from minivllm.utils import exit_with_parent, owner_finalizer, stop_processes
 
 POLL_MS = 20  # how often a waiting executor checks that its workers are alive
@@ -122,7 +122,7 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         for rank, proc in enumerate(self.workers):
             if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited "
+                raise WorkerDiedError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited "
                                    f"unexpectedly (exit code {proc.exitcode})")
 
     def broadcast(self, message) -> int:
