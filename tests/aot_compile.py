@@ -10,28 +10,10 @@ from __future__ import annotations
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from minivllm.kernels import activation, decode_attention, prefill_attention
 from minivllm.kernels import reshape_and_cache, rms_norm, rotary_embedding
-
-H200 = GPUTarget("cuda", 90, 32)
-
-
-def compile_for_gpu(fn, pointers: dict, floats=(), constexprs=None, num_warps=4, num_stages=3):
-    """Compile ``fn`` with pointer element types ``pointers``, fp32 ``floats``, i32 for the rest."""
-    constexprs = constexprs or {}
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=H200,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+from minivllm.kernels.aot import compile_for_sm90 as compile_for_gpu  # no alignment assumed
 
 
 def main() -> int:

@@ -21,34 +21,12 @@ import sys
 import tempfile
 from collections import Counter
 
-SM90 = ("cuda", 90, 32)
+def _compile(fn, pointers: dict, **kwargs):
+    """Compile ``fn`` for sm_90 as a launch from torch would: pointers and strides declared
+    multiples of 16 (``minivllm.kernels.aot``)."""
+    from minivllm.kernels.aot import compile_for_sm90
 
-
-def _compile(fn, pointers: dict, floats=(), constexprs=None, divisible=(), num_warps=4,
-             num_stages=3):
-    """Compile ``fn`` for sm_90. Like a launch from torch would, every pointer, every ``stride*``
-    argument and those named in ``divisible`` are declared multiples of 16 (Triton's JIT
-    specialises on that: it is what lets the compiler emit wide, vectorised loads)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constexprs = constexprs or {}
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    attrs = {}
-    for i, name in enumerate(fn.arg_names):
-        if name in pointers or name.startswith("stride") or name in divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget(*SM90),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compile_for_sm90(fn, pointers, aligned=True, **kwargs)
 
 
 def _resource_usage(cubin: bytes) -> dict:
