@@ -155,7 +155,8 @@ class ModelConfig:
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        per_layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * d if self.qk_norm else 0)
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        per_layer = attention + 3 * h * self.intermediate_size + norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embeddings + h
 
