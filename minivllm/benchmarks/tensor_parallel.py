@@ -12,8 +12,7 @@ one run, and the greedy tokens are compared. Then:
   vocabulary-parallel embedding's one, each ``hidden x dtype size``, computed and counted on
   rank 0 during the workload (``Worker.collective_stats``), and the time of one all-reduce of
   ``[tokens, hidden]`` on the workers' process group (gloo on a CPU, NCCL on GPUs), at a few
-  token counts. At size 1 there is no
-  all-reduce at all.
+  token counts. At size 1 there is no all-reduce at all.
 
 The default model has the shapes of Qwen3-0.6B's layers (hidden 1024, 16 heads over 8 KV
 heads, its vocabulary), with ``--num-layers`` of them and random weights: the sizes on the
