@@ -193,9 +193,10 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
             if kind == "not_implemented":
                 raise NotImplementedError(text)
             hint = ""
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                hint = (" (a collective timed out: every rank must call all_reduce, the same "
-                        "number of times, with a tensor of the same shape)")
+            if any(w in text.lower() for w in ("timed out", "timeout", "closed by peer")):
+                hint = (" in a collective that the other rank never joined (it timed out, or "
+                        "the other rank had finished): every rank must call all_reduce, the "
+                        "same number of times, with a tensor of the same shape")
             fail(exercise, f"rank {r['rank']} raised{hint}:\n{text}\n{ROW_CONVENTION}")
     for i, case in enumerate(cases):
         x, w, b = case["x"], case["weight"], case["bias"]
