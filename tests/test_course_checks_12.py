@@ -62,6 +62,14 @@ class OtherRanksColumns(RowParallelLinear):
         self.weight.copy_(full_weight[:, r * n:(r + 1) * n])
 
 
+class OnlyRankZeroReduces(RowParallelLinear):
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_rank == 0:
+            dist.all_reduce(y)
+        return y
+
+
 class DelegatingLayer(RowParallelLinear):
     def forward(self, x):
         return parallel_layers.RowParallelLinear.forward(self, x)
@@ -87,6 +95,7 @@ def test_row_parallel_solution_passes(capsys):
     (NoAllReduce, ["only its own partial product", "all_reduce"]),
     (BiasOnEveryRank, ["x @ W.T + 2 * b", "Add it once"]),
     (OtherRanksColumns, ["rank 0's weight is not W[:, 0:", "its columns"]),
+    (OnlyRankZeroReduces, ["never joined", "every rank must call all_reduce"]),
 ])
 def test_row_parallel_mistakes_fail_naming_the_convention(answer, fragments):
     message = _fails(checks.check_row_parallel_linear, answer, "12.1", *fragments)
