@@ -297,6 +297,12 @@ ANSWERS = {
          "minivllm.core.block_pool:BlockPool.get_new_blocks", "minivllm.core.block_pool:BlockPool.touch",
          "minivllm.core.block_pool:BlockPool.free_blocks",
          "minivllm.core.block_pool:BlockPool.cache_full_blocks"], []),
+    12: (["minivllm.model.parallel_layers:RowParallelLinear.forward",
+          "minivllm.model.parallel_layers:RowParallelLinear.weight_loader",
+          "minivllm.model.parallel_layers:kv_head_partition",
+          "minivllm.model.parallel_layers:QKVParallelLinear.weight_loader"],
+         # an all-reduce written out (the row-parallel forward); a KV head chosen for a rank
+         [r"all_reduce\(", r"tp_rank\s*//\s*\(?\s*tp_size\s*//", r"tp_size\s*//\s*num_kv_heads"]),
 }
 
 

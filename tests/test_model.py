@@ -58,3 +58,12 @@ def test_unknown_architecture_is_rejected():
     with pytest.raises(ValueError, match="not supported"):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "num_attention_heads": 2,
                                "hidden_size": 8})
+
+
+def test_num_parameters_counts_what_transformers_builds(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    for name, path in tiny_models.items():
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert ModelConfig.from_pretrained(path).num_parameters() == sum(
+            p.numel() for p in model.parameters()), name  # tied weights are counted once

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.benchmarks.tensor_parallel import collective_figures, executor_of, recorded_steps
 from minivllm.config import EngineArgs
 from minivllm.model.config import ModelConfig
 from minivllm.model.parallel_layers import check_tensor_parallel_size, kv_head_partition
@@ -121,7 +122,17 @@ def test_llm_tensor_parallel_matches_size_1(peaked_models, family, tp):
     llm = LLM(path, show_progress=False, tensor_parallel_size=tp, **ENGINE)
     workers = _workers(llm)
     assert len(workers) == tp and all(w.is_alive() for w in workers)
-    assert _greedy(llm) == expected
+    executor = executor_of(llm)
+    before = executor.collective_rpc("collective_stats", output_rank=0)[0]
+    with recorded_steps(executor) as steps:
+        assert _greedy(llm) == expected
+    counted = collective_figures(
+        before, executor.collective_rpc("collective_stats", output_rank=0)[0], steps)
+    # per step: 2 all-reduces per layer and the embedding's, each [tokens, hidden] float32
+    c = ModelConfig.from_pretrained(path)
+    assert counted["all_reduce_calls"] == len(steps) * (2 * c.num_hidden_layers + 1)
+    per_token = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4
+    assert counted["all_reduce_bytes"] == counted["tokens"] * per_token
     stats = llm.llm_engine.engine_core.call_utility("get_broadcast_stats")
     assert stats["steps"] >= 16 and stats["bytes"] > 0
     llm.llm_engine.shutdown()

@@ -8,10 +8,11 @@ one run, and the greedy tokens are compared. Then:
   size (mean, max over the steps), the pickling time, and the round trip of each one through
   the executor's sockets to every worker (pickle, send, unpickle on each rank, a one-word
   answer back) replayed after the run, median over the steps;
-* **all-reduce**: the bytes the row-parallel layers sum per token (2 per layer x hidden x
-  dtype size) and the time of one all-reduce of ``[tokens, hidden]`` on the workers'
-  process group (gloo on a CPU, NCCL on GPUs), at a few token counts. At size 1 there is no
-  all-reduce at all.
+* **all-reduce**: the bytes summed per token: the row-parallel layers' two per layer and the
+  vocabulary-parallel embedding's one, each ``hidden x dtype size``, computed and counted on
+  rank 0 during the workload (``Worker.collective_stats``), and the time of one all-reduce of
+  ``[tokens, hidden]`` on the workers' process group (gloo on a CPU, NCCL on GPUs), at a few
+  token counts. At size 1 there is no all-reduce at all.
 
 The default model has the shapes of Qwen3-0.6B's layers (hidden 1024, 16 heads over 8 KV
 heads, its vocabulary), with ``--num-layers`` of them and random weights: the sizes on the
@@ -25,6 +26,7 @@ import pickle
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 
 from minivllm.benchmarks.common import machine_info, write_json
 
@@ -46,6 +48,75 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def executor_of(llm):
+    """The executor of an ``LLM`` whose engine core runs in this process."""
+    return llm.llm_engine.engine_core.engine_core.model_executor
+
+
+@contextmanager
+def recorded_steps(executor):
+    """While inside, every ``SchedulerOutput`` the executor runs is copied into the list
+    yielded (the engine core hands each step to ``execute_model``)."""
+    recorded = []
+    inner = executor.execute_model
+
+    def recording(so):
+        recorded.append(copy.deepcopy(so))
+        return inner(so)
+
+    executor.execute_model = recording
+    try:
+        yield recorded
+    finally:
+        executor.execute_model = inner
+
+
+def broadcast_figures(executor, recorded: list) -> dict:
+    """What broadcasting the recorded steps costs: each one's pickled size, the pickling time,
+    and its round trip through the executor's sockets to every worker and back (a ``ping``
+    that carries the step: pickle, send, unpickle on each rank, a one-word answer), replayed
+    now; and the round trip of an empty message."""
+    sizes = [len(pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)) for so in recorded]
+    pickle_s, round_trip_s = [], []
+    for so in recorded:
+        start = time.perf_counter()
+        pickle.dumps(("execute_model", (so,), 0), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        executor.collective_rpc("ping", (so,))
+        round_trip_s.append(time.perf_counter() - start)
+    empty = []
+    for _ in range(len(recorded)):
+        start = time.perf_counter()
+        executor.collective_rpc("ping", (None,))
+        empty.append(time.perf_counter() - start)
+    return {
+        "steps": len(recorded),
+        "bytes_per_step": sizes,
+        "bytes_mean": statistics.mean(sizes), "bytes_max": max(sizes),
+        "bytes_first_step": sizes[0],
+        "pickle_s_median": statistics.median(pickle_s),
+        "round_trip_s_median": statistics.median(round_trip_s),
+        "round_trip_empty_s": statistics.median(empty),
+    }
+
+
+def collective_figures(before: dict, after: dict, recorded: list) -> dict:
+    """Rank 0's model collectives between two ``Worker.collective_stats`` snapshots, per token
+    the recorded steps scheduled and per step."""
+    tokens = sum(so.total_num_scheduled_tokens for so in recorded)
+    diff = {k: after[k] - before[k] for k in after}
+    return {**diff, "tokens": tokens, "steps": len(recorded),
+            "all_reduce_bytes_per_token": diff["all_reduce_bytes"] / max(1, tokens),
+            "all_reduce_calls_per_step": diff["all_reduce_calls"] / max(1, len(recorded))}
+
+
+def all_reduce_seconds(executor, token_counts) -> list[dict]:
+    """The time of one all-reduce of ``[tokens, hidden]`` on the workers' group (median)."""
+    return [executor.collective_rpc("measure_all_reduce", (n,), output_rank=0)[0]
+            for n in token_counts]
 
 
 def main(args) -> int:
@@ -82,37 +153,18 @@ def main(args) -> int:
 
     llm = LLM(show_progress=False, tensor_parallel_size=tp, distributed_executor_backend="mp",
               **kwargs)
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    recorded = []
-    inner = executor.execute_model
-
-    def recording(so):
-        recorded.append(copy.deepcopy(so))
-        return inner(so)
-
-    executor.execute_model = recording
-    tokens2, seconds2 = _run(llm, prompts, params)
-    executor.execute_model = inner
+    executor = executor_of(llm)
+    before = executor.collective_rpc("collective_stats", output_rank=0)[0]
+    with recorded_steps(executor) as recorded:
+        tokens2, seconds2 = _run(llm, prompts, params)
+    after = executor.collective_rpc("collective_stats", output_rank=0)[0]
     stats = executor.get_broadcast_stats()
-
-    sizes = [len(pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)) for so in recorded]
-    pickle_s, round_trip_s = [], []
-    for so in recorded:
-        start = time.perf_counter()
-        pickle.dumps(("execute_model", (so,), 0), protocol=pickle.HIGHEST_PROTOCOL)
-        pickle_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        executor.collective_rpc("ping", (so,))
-        round_trip_s.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    for _ in range(len(recorded)):
-        executor.collective_rpc("ping", (None,))
-    empty_round_trip = (time.perf_counter() - start) / max(1, len(recorded))
+    broadcast = broadcast_figures(executor, recorded)
+    collectives = collective_figures(before, after, recorded)
 
     elem = torch.tensor([], dtype=c.dtype).element_size()
     m = c.model_config
-    all_reduce = [executor.collective_rpc("measure_all_reduce", (n,), output_rank=0)[0]
-                  for n in args.all_reduce_tokens]
+    all_reduce = all_reduce_seconds(executor, args.all_reduce_tokens)
     llm.llm_engine.shutdown()
 
     result = {
@@ -126,17 +178,11 @@ def main(args) -> int:
                      "output_len": args.output_len},
         "greedy_tokens_identical": tokens1 == tokens2,
         "seconds": {"size_1": seconds1, f"size_{tp}": seconds2},
-        "broadcast": {
-            "steps": len(recorded),
-            "bytes_mean": statistics.mean(sizes), "bytes_max": max(sizes),
-            "bytes_first_step": sizes[0],
-            "pickle_s_median": statistics.median(pickle_s),
-            "round_trip_s_median": statistics.median(round_trip_s),
-            "round_trip_empty_s": empty_round_trip,
-            "executor_stats": stats,
-        },
+        "broadcast": {**broadcast, "executor_stats": stats},
         "all_reduce": {
-            "bytes_per_token": 2 * m.num_hidden_layers * m.hidden_size * elem,
+            # the row-parallel layers' two per layer, and the vocabulary-parallel embedding's
+            "bytes_per_token": (2 * m.num_hidden_layers + 1) * m.hidden_size * elem,
+            "measured": collectives,
             "per_call": all_reduce,
         },
     }
@@ -159,8 +205,13 @@ def _print(r: dict) -> None:
           f"{b['pickle_s_median'] * 1e6:.0f} us; round trip to {tp} workers "
           f"{b['round_trip_s_median'] * 1e6:.0f} us median (an empty message: "
           f"{b['round_trip_empty_s'] * 1e6:.0f} us)")
+    me = a["measured"]
     print(f"all-reduce: {a['bytes_per_token']} B per token per forward pass "
-          f"(2 per layer x hidden x dtype); at size 1 none")
+          f"((2 per layer + 1 for the embedding) x hidden x dtype); at size 1 none")
+    print(f"  counted on rank 0 during the workload: {me['all_reduce_calls']} all-reduces, "
+          f"{me['all_reduce_bytes']} B for {me['tokens']} tokens: "
+          f"{me['all_reduce_bytes_per_token']:.0f} B per token; "
+          f"{me['all_gather_calls']} all-gathers of logits, {me['all_gather_bytes']} B")
     for x in a["per_call"]:
         print(f"  one all-reduce of {x['num_tokens']:>4} tokens ({x['bytes']:>8} B): "
               f"{x['seconds'] * 1e6:8.0f} us")

@@ -24,6 +24,9 @@ import torch.distributed as dist
 _TP_RANK = 0
 _TP_SIZE = 1
 _CPU_GROUP = None  # a gloo group over the same ranks, for Python objects and small CPU tensors
+# what this rank's model collectives sent: calls and bytes of the tensors it contributed
+_COLLECTIVE_STATS = {"all_reduce_calls": 0, "all_reduce_bytes": 0,
+                     "all_gather_calls": 0, "all_gather_bytes": 0}
 
 
 def default_backend(device: torch.device) -> str:
@@ -82,6 +85,12 @@ def broadcast_object(obj=None, src: int = 0):
     return box[0]
 
 
+def collective_stats() -> dict:
+    """Calls and bytes (this rank's tensor, per call) of the model's all-reduces and
+    all-gathers so far; at size 1 there are none."""
+    return dict(_COLLECTIVE_STATS)
+
+
 def get_tensor_model_parallel_rank() -> int:
     return _TP_RANK
 
@@ -94,6 +103,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place (every rank gets the sum)."""
     if _TP_SIZE == 1:
         return x
+    _COLLECTIVE_STATS["all_reduce_calls"] += 1
+    _COLLECTIVE_STATS["all_reduce_bytes"] += x.numel() * x.element_size()
     dist.all_reduce(x)
     return x
 
@@ -103,6 +114,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if _TP_SIZE == 1:
         return x
     x = x.contiguous()
+    _COLLECTIVE_STATS["all_gather_calls"] += 1
+    _COLLECTIVE_STATS["all_gather_bytes"] += x.numel() * x.element_size()
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)

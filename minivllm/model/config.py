@@ -148,6 +148,18 @@ class ModelConfig:
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         return self.sliding_window if layer_idx in self.sliding_window_layers else None
 
+    def num_parameters(self) -> int:
+        """Parameters of the model this config describes (its weights' bytes = this x the dtype's
+        size): embeddings, lm_head unless tied, and per layer q/k/v (with their bias), o, the
+        gated MLP and the norms."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        per_layer = attention + 3 * h * self.intermediate_size + norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embeddings + h
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers (what a KV block is made of)."""
         elem = torch.tensor([], dtype=dtype).element_size()

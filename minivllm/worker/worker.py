@@ -56,6 +56,10 @@ class Worker:
         """Answer at once (the executor's broadcast round trip is measured with it)."""
         return self.rank
 
+    def collective_stats(self) -> dict:
+        """What this rank's model collectives have sent so far (``parallel_state``)."""
+        return parallel_state.collective_stats()
+
     def measure_all_reduce(self, num_tokens: int, repeats: int = 50, warmup: int = 5) -> dict:
         """Seconds of one all-reduce of ``[num_tokens, hidden]`` activations (median), as the
         row-parallel layers run it, and its bytes."""

@@ -23,6 +23,7 @@ from minivllm.course.checks.prefix import check_block_hashes, check_block_pool
 from minivllm.course.checks.sampler import check_sampler
 from minivllm.course.checks.scheduler import check_phase_separated_scheduler, check_unified_scheduler
 from minivllm.course.checks.serving import check_benchmark_metrics, check_chat_stream
+from minivllm.course.checks.tp import check_qkv_sharding, check_row_parallel_linear
 
 __all__ = [
     "CheckFailed",
@@ -49,4 +50,6 @@ __all__ = [
     "check_graph_runner",
     "check_capture_sizes",
     "check_goodput_tuner",
+    "check_row_parallel_linear",
+    "check_qkv_sharding",
 ]

@@ -1,0 +1,514 @@
+"""Checkers for chapter 12: tensor parallelism.
+
+* 12.1, the row-parallel linear layer (``weight_loader`` and ``forward``), runs on two real
+  ranks: two processes joined in a gloo process group, each building the learner's layer as its
+  rank, loading the full weight through the learner's ``weight_loader`` and running ``forward``
+  on its slice of the input. Both ranks must return ``x @ W.T + b`` of the unsharded
+  ``nn.Linear``. The processes are forked (Linux), so a class defined in a notebook cell reaches
+  them as it is, without being imported or pickled; each rank runs with one torch thread, its
+  printed output is collected and shown, and it ends with ``os._exit``.
+* 12.2, sharding q/k/v by heads, loads a real tiny Llama at tensor-parallel size 2 (and 4) with
+  the learner's shards in its ``qkv_proj`` and checks that its logits equal the unsharded
+  model's. The ranks are emulated in one process: one thread per rank, each running its rank's
+  model (built as that rank: its heads, its MLP features, its vocabulary range), and the
+  collectives between them (the all-reduce after ``o_proj``, ``down_proj`` and the embedding,
+  the all-gather of the logits) done in memory, in rank order, at a barrier. The model code is
+  the engine's, unchanged; only the transport differs from the engine's gloo process group. It
+  is a few milliseconds instead of a second or two of process start-up per case.
+
+While the learner's code runs, the package's own answer is unavailable: ``RowParallelLinear``'s
+``forward`` and ``weight_loader`` for 12.1; ``kv_head_partition`` and the q/k/v weight loaders
+for 12.2. A learner's code that calls them fails, saying why.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import pickle
+import tempfile
+import threading
+import traceback
+import warnings
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+
+import torch
+
+from minivllm.course.checks.common import CheckFailed, compare_tensors, fail, passed
+
+ROW_CONVENTION = (
+    "Expected (row-parallel, Megatron-style): W [out, in] is split along its input dimension; "
+    "rank r of tp holds the columns W[:, r*n:(r+1)*n] (n = in / tp) and receives the same "
+    "slice of x (the output of the column-parallel layer before it). Each rank computes its "
+    "partial product x_r @ W_r.T, the bias is added once (on rank 0 before the all-reduce, or "
+    "on every rank after it), and one all-reduce (torch.distributed.all_reduce, a sum) gives "
+    "every rank the whole x @ W.T + b.")
+
+QKV_CONVENTION = (
+    "Expected: q/k/v are split by heads, along dim 0 (head h is rows h*head_dim:(h+1)*head_dim). "
+    "Rank r of tp keeps query heads r*H/tp .. (r+1)*H/tp - 1 (H query heads). With at least tp "
+    "KV heads, it keeps KV heads r*K/tp .. (r+1)*K/tp - 1 (K KV heads); with fewer KV heads than "
+    "ranks it keeps one KV head, the one its query heads read (query head h reads KV head "
+    "h // (H / K)): KV head r // (tp / K), replicated on tp / K neighbouring ranks.")
+
+
+class DelegationError(CheckFailed):
+    """The learner's code called the package's own answer instead of implementing it."""
+
+
+# -- Exercise 12.1: the row-parallel linear on two gloo ranks ----------------------------------
+
+ROW_CASES = [  # (tokens, input size, output size, bias)
+    (3, 8, 6, True), (1, 16, 4, True), (5, 12, 10, False), (7, 32, 24, True), (2, 4, 8, False),
+]
+ROW_TIMEOUT_S = 20.0  # a rank that never joins the all-reduce makes the other wait this long
+
+
+def _row_cases(seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for tokens, n_in, n_out, bias in ROW_CASES:
+        cases.append({
+            "x": torch.randn(tokens, n_in, generator=g),
+            "weight": torch.randn(n_out, n_in, generator=g),
+            "bias": torch.randn(n_out, generator=g) if bias else None,
+        })
+    return cases
+
+
+def _row_rank(layer_cls, cases, rank: int, tp: int, store_path: str, conn, exercise: str) -> None:
+    """One rank, in a forked process: join the group, run every case, send what came out."""
+    out = io.StringIO()
+    result: dict = {"rank": rank, "cases": [], "error": None}
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        from minivllm.distributed import parallel_state
+        from minivllm.model import parallel_layers
+
+        def unavailable(self, *args, **kwargs):
+            raise DelegationError(
+                f"Exercise {exercise}: your layer called the package's own "
+                "RowParallelLinear (its forward or weight_loader). The exercise is to write "
+                "them yourself: while they are graded, the package's are unavailable. You may "
+                "use torch.distributed.all_reduce (or the package's "
+                "tensor_model_parallel_all_reduce).")
+
+        parallel_layers.RowParallelLinear.forward = unavailable
+        parallel_layers.RowParallelLinear.weight_loader = unavailable
+        from datetime import timedelta
+
+        store = dist.FileStore(store_path, tp)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
+                                timeout=timedelta(seconds=ROW_TIMEOUT_S))
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "0"})
+        parallel_state.init_distributed_environment()  # the package's all-reduce works too
+        with redirect_stdout(out), redirect_stderr(out), torch.no_grad():
+            for case in cases:
+                n_out, n_in = case["weight"].shape
+                layer = layer_cls(n_in, n_out, case["bias"] is not None, rank, tp)
+                layer.weight_loader(case["weight"].clone())
+                if case["bias"] is not None:
+                    layer.bias.copy_(case["bias"])
+                n = n_in // tp
+                x = case["x"][:, rank * n:(rank + 1) * n].clone()
+                y = layer(x)
+                result["cases"].append({
+                    "y": y.detach().clone() if isinstance(y, torch.Tensor) else y,
+                    "weight": layer.weight.detach().clone(),
+                })
+    except DelegationError as e:
+        result["error"] = ("delegation", str(e))
+    except NotImplementedError as e:  # an unsolved exercise: raised as such by the grader
+        result["error"] = ("not_implemented", str(e))
+    except BaseException:
+        result["error"] = ("raised", traceback.format_exc(limit=-6))
+    result["printed"] = out.getvalue()
+    try:
+        # plain pickle: the tensors travel by value (multiprocessing's own pickler would share
+        # their memory with this process, which is about to exit)
+        conn.send_bytes(pickle.dumps(result))
+        conn.close()
+    finally:
+        os._exit(0)
+
+
+def _run_ranks(layer_cls, cases, tp: int, exercise: str) -> list[dict]:
+    if not hasattr(os, "fork"):
+        fail(exercise, "this grader forks one process per rank, which needs Linux or macOS")
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="minivllm-tp-check-") as tmp:
+        pipes, procs = [], []
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns that forking a threaded process (a notebook kernel) may
+            # deadlock the child: the child here touches none of the parent's threads' locks
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for rank in range(tp):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_row_rank, daemon=True, args=(
+                    layer_cls, cases, rank, tp, os.path.join(tmp, "store"), send, exercise))
+                p.start()
+                send.close()
+                pipes.append(recv)
+                procs.append(p)
+        results = []
+        try:
+            for rank, (recv, p) in enumerate(zip(pipes, procs)):
+                if not recv.poll(ROW_TIMEOUT_S + 30):
+                    fail(exercise, f"rank {rank} did not finish within {ROW_TIMEOUT_S + 30:.0f} s.")
+                try:
+                    results.append(pickle.loads(recv.recv_bytes()))
+                except EOFError:
+                    p.join(5)
+                    fail(exercise, f"rank {rank}'s process died (exit code {p.exitcode}) before "
+                                   "answering.")
+        finally:
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    for r in results:
+        if r["printed"].strip():
+            print(f"[rank {r['rank']} printed]\n{r['printed'].rstrip()}")
+    return results
+
+
+def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) -> None:
+    """``layer_cls(input_size, output_size, bias, tp_rank, tp_size)`` with ``weight``
+    ([output_size, input_size / tp_size]), ``bias`` ([output_size] or None, set by the grader
+    to the whole bias), ``weight_loader(full_weight)`` and ``forward(x_shard)``. Graded on two
+    gloo ranks against ``torch.nn.functional.linear`` of the whole weight and input."""
+    tp = 2
+    cases = _row_cases(seed)
+    results = _run_ranks(layer_cls, cases, tp, exercise)
+    for r in results:
+        if r["error"] is not None:
+            kind, text = r["error"]
+            if kind == "delegation":
+                raise DelegationError(text)
+            if kind == "not_implemented":
+                raise NotImplementedError(text)
+            hint = ""
+            if any(w in text.lower() for w in ("timed out", "timeout", "closed by peer")):
+                hint = (" in a collective that the other rank never joined (it timed out, or "
+                        "the other rank had finished): every rank must call all_reduce, the "
+                        "same number of times, with a tensor of the same shape")
+            fail(exercise, f"rank {r['rank']} raised{hint}:\n{text}\n{ROW_CONVENTION}")
+    for i, case in enumerate(cases):
+        x, w, b = case["x"], case["weight"], case["bias"]
+        n_out, n_in = w.shape
+        n = n_in // tp
+        expected = torch.nn.functional.linear(x, w, b)
+        what = (f"case {i} (x {tuple(x.shape)}, W {tuple(w.shape)}, "
+                f"{'with' if b is not None else 'no'} bias)")
+        got = [r["cases"][i] for r in results]
+        for rank in range(tp):
+            own = w[:, rank * n:(rank + 1) * n]
+            held = got[rank]["weight"]
+            if tuple(held.shape) != tuple(own.shape) or not torch.equal(held, own):
+                fail(exercise, f"{what}: after weight_loader, rank {rank}'s weight is not "
+                               f"W[:, {rank * n}:{(rank + 1) * n}] (its columns: the input slice "
+                               f"it receives). {ROW_CONVENTION}")
+        partials = [x[:, r * n:(r + 1) * n] @ w[:, r * n:(r + 1) * n].T for r in range(tp)]
+        for rank in range(tp):
+            y = got[rank]["y"]
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(expected.shape):
+                compare_tensors(exercise, f"{what}, rank {rank}'s output", y, expected, 1e-5,
+                                1e-5, ROW_CONVENTION)
+            if torch.allclose(y, expected, atol=1e-5, rtol=1e-5):
+                continue
+            own = partials[rank] + (b if b is not None else 0)
+            if torch.allclose(y, partials[rank], atol=1e-5) or torch.allclose(y, own, atol=1e-5):
+                fail(exercise, f"{what}: rank {rank} returned only its own partial product "
+                               "x_r @ W_r.T: the partial sums were never added up. Call "
+                               f"torch.distributed.all_reduce on it before returning. "
+                               f"{ROW_CONVENTION}")
+            if b is not None and torch.allclose(y, expected + (tp - 1) * b, atol=1e-5):
+                fail(exercise, f"{what}: rank {rank}'s output is x @ W.T + {tp} * b: every rank "
+                               "added the bias before the all-reduce, which then summed it "
+                               f"{tp} times. Add it once. {ROW_CONVENTION}")
+            if b is not None and torch.allclose(y, expected - b, atol=1e-5):
+                fail(exercise, f"{what}: rank {rank}'s output lacks the bias. {ROW_CONVENTION}")
+            compare_tensors(exercise, f"{what}, rank {rank}'s output", y, expected, 1e-5, 1e-5,
+                            ROW_CONVENTION)
+    passed(exercise, f"on {tp} gloo ranks, your row-parallel layer gave every rank x @ W.T + b "
+                     f"of the whole layer in {len(cases)} random cases "
+                     f"({sum(c['bias'] is not None for c in cases)} with a bias).")
+
+
+# -- Exercise 12.2: q/k/v shards in a real model, ranks emulated in one process ----------------
+
+class _Collectives:
+    """The all-reduce and all-gather among ``tp`` threads, one per rank, in memory."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self.barrier = threading.Barrier(tp, timeout=60)
+        self.slots: list = [None] * tp
+        self.local = threading.local()
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.local.rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # every rank has read them before the next collective writes
+        return parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(x)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        x.copy_(total)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self._exchange(x.contiguous()), dim=dim)
+
+
+@contextmanager
+def as_rank(rank: int, tp: int):
+    """Build layers as rank ``rank`` of ``tp`` (they read the rank when constructed)."""
+    from minivllm.distributed import parallel_state
+
+    saved = parallel_state._TP_RANK, parallel_state._TP_SIZE
+    parallel_state._TP_RANK, parallel_state._TP_SIZE = rank, tp
+    try:
+        yield
+    finally:
+        parallel_state._TP_RANK, parallel_state._TP_SIZE = saved
+
+
+def load_rank_models(path: str, tp: int) -> list:
+    """The model at ``path`` built and loaded as each rank of ``tp`` (float32, CPU)."""
+    from minivllm.model.config import ModelConfig
+    from minivllm.model.loader import load_model
+
+    config = ModelConfig.from_pretrained(path)
+    models = []
+    for rank in range(tp):
+        with as_rank(rank, tp):
+            models.append(load_model(path, config, torch.device("cpu"), torch.float32,
+                                     show_progress=False))
+    return models
+
+
+@torch.inference_mode()
+def emulated_logits(models: list, token_ids: list[int], block_size: int = 16,
+                    collectives: _Collectives | None = None) -> torch.Tensor:
+    """Logits of one sequence through the rank models, run together (one thread per rank,
+    collectives in memory); every rank's gathered logits must agree, rank 0's are returned."""
+    from minivllm.attention.backend import get_attention_backend
+    from minivllm.model import parallel_layers
+    from minivllm.model.sequence import single_sequence_metadata
+
+    tp = len(models)
+    coll = collectives or _Collectives(tp)
+    backend = get_attention_backend("torch")
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    outputs: list = [None] * tp
+    errors: list = []
+
+    def run(rank: int) -> None:
+        coll.local.rank = rank
+        try:
+            model = models[rank]
+            for layer in model.attention_layers():
+                layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads,
+                                             layer.head_dim)
+                layer.backend = backend
+            meta = backend.build_metadata(single_sequence_metadata(
+                0, n, list(range(num_blocks)), block_size, "cpu"), block_size)
+            hidden = model(torch.tensor(token_ids), torch.arange(n), meta)
+            outputs[rank] = model.compute_logits(hidden)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            coll.barrier.abort()
+
+    saved = (parallel_layers.tensor_model_parallel_all_reduce,
+             parallel_layers.tensor_model_parallel_all_gather)
+    parallel_layers.tensor_model_parallel_all_reduce = coll.all_reduce
+    parallel_layers.tensor_model_parallel_all_gather = coll.all_gather
+    try:
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        (parallel_layers.tensor_model_parallel_all_reduce,
+         parallel_layers.tensor_model_parallel_all_gather) = saved
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+    for rank in range(1, tp):
+        if not torch.equal(outputs[rank], outputs[0]):
+            raise RuntimeError("the ranks' gathered logits differ")
+    return outputs[0]
+
+
+def _raise_delegation(name: str):
+    raise DelegationError(_DELEGATION_MESSAGE[name])
+
+
+def _unavailable_kv_head_partition(num_kv_heads, tp_size, tp_rank):
+    # runs as kv_head_partition's code, with parallel_layers' globals: it imports what it needs
+    from minivllm.course.checks.tp import _raise_delegation
+
+    _raise_delegation("kv_head_partition")
+
+
+_DELEGATION_MESSAGE: dict[str, str] = {}
+
+
+@contextmanager
+def without_package_sharding(exercise: str):
+    """While inside, the package's own q/k/v sharding is unavailable: ``kv_head_partition``
+    (every reference to it, including one imported before) and the q/k/v weight loaders."""
+    from minivllm.model import parallel_layers as pl
+
+    def message(name: str) -> str:
+        return (f"Exercise {exercise}: your function called the package's own {name}. The "
+                "exercise is to write that sharding yourself: while it is graded, the package's "
+                "kv_head_partition and its q/k/v weight loaders are unavailable.")
+
+    _DELEGATION_MESSAGE["kv_head_partition"] = message("kv_head_partition")
+
+    def loader_stub(name):
+        def stub(self, *args, **kwargs):
+            raise DelegationError(message(name))
+        return stub
+
+    fn = pl.kv_head_partition
+    saved_code = fn.__code__
+    saved = [(cls, cls.__dict__["weight_loader"]) for cls in (pl.QKVParallelLinear,
+                                                              pl.ColumnParallelLinear)]
+    fn.__code__ = _unavailable_kv_head_partition.__code__
+    for cls, _ in saved:
+        cls.weight_loader = loader_stub(f"{cls.__name__}.weight_loader")
+    try:
+        yield
+    finally:
+        fn.__code__ = saved_code
+        for cls, loader in saved:
+            cls.weight_loader = loader
+
+
+# (name, tiny checkpoint overrides, tp): GQA split, one KV head replicated, 2 KV heads over 4 ranks
+QKV_SETUPS = [
+    ("4 query heads over 2 KV heads, tp=2 (KV heads split)", {}, 2),
+    ("4 query heads over 1 KV head, tp=2 (the KV head replicated)", {"num_key_value_heads": 1}, 2),
+    ("4 query heads over 2 KV heads, tp=4 (each KV head on 2 ranks)", {}, 4),
+]
+
+
+def _reference_shard(t: torch.Tensor, heads: int, kv: int, tp: int, rank: int, which: str):
+    d = t.shape[0] // (heads if which == "q" else kv)
+    if which == "q":
+        per = heads // tp
+        return t[rank * per * d:(rank + 1) * per * d]
+    if kv >= tp:
+        per = kv // tp
+        return t[rank * per * d:(rank + 1) * per * d]
+    head = rank // (tp // kv)
+    return t[head * d:(head + 1) * d]
+
+
+def _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank):
+    with without_package_sharding(exercise):
+        out = shard_qkv(q.clone(), k.clone(), v.clone(), heads, kv, tp, rank)
+    if not (isinstance(out, (tuple, list)) and len(out) == 3):
+        fail(exercise, f"shard_qkv returned {type(out).__name__}, expected a tuple "
+                       f"(q_shard, k_shard, v_shard). {QKV_CONVENTION}")
+    return out
+
+
+def _check_shards(exercise, where, out, q, k, v, heads, kv, tp, rank) -> None:
+    for name, got, full in zip("qkv", out, (q, k, v)):
+        expected = _reference_shard(full, heads, kv, tp, rank, name)
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape) \
+                and torch.equal(got, expected):
+            continue
+        d = full.shape[0] // (heads if name == "q" else kv)
+        first = (rank * (heads // tp) if name == "q" else
+                 rank * (kv // tp) if kv >= tp else rank // (tp // kv))
+        count = heads // tp if name == "q" else max(1, kv // tp)
+        detail = (f"expected its {name} rows {first * d}:{(first + count) * d} "
+                  f"({'query' if name == 'q' else 'KV'} head{'s' if count > 1 else ''} "
+                  f"{first}{f'..{first + count - 1}' if count > 1 else ''})")
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape):
+            for h in range(full.shape[0] // d):
+                if torch.equal(got[:d], full[h * d:(h + 1) * d]):
+                    detail += f", got rows starting with head {h}'s"
+                    break
+        elif isinstance(got, torch.Tensor):
+            detail += f" (shape {tuple(expected.shape)}), got shape {tuple(got.shape)}"
+        else:
+            detail += f", got {type(got).__name__}"
+        fail(exercise, f"{where}, rank {rank} of {tp}: {detail}. {QKV_CONVENTION}")
+
+
+def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None:
+    """``shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank)`` -> this rank's
+    ``(q, k, v)``, each a slice of dim 0 (weights ``[rows, hidden]`` or biases ``[rows]``).
+
+    First random tensors (weights and biases) against the convention, then a real tiny Llama
+    (random weights) whose ``qkv_proj`` on every rank holds the learner's shards: its logits
+    over a random sequence, at tensor-parallel size 2 or 4, must equal the unsharded model's.
+    The ranks run together in this process, as threads whose collectives are summed in memory
+    (see the module's docstring); the layers and the forward pass are the engine's own."""
+    from minivllm.course.checks.common import write_tiny_checkpoint
+    from minivllm.model.config import ModelConfig
+    from minivllm.model.loader import load_model
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(seed)
+    cases = 0
+    for heads, kv, d, tp in [(4, 2, 3, 2), (8, 2, 2, 4), (8, 8, 2, 4), (6, 1, 2, 3), (4, 4, 5, 2),
+                             (8, 2, 3, 2)]:
+        for bias in (False, True):
+            shape = lambda rows: (rows,) if bias else (rows, 5)  # noqa: E731
+            q = torch.randn(*shape(heads * d), generator=g)
+            k = torch.randn(*shape(kv * d), generator=g)
+            v = torch.randn(*shape(kv * d), generator=g)
+            for rank in range(tp):
+                where = (f"random {'biases' if bias else 'weights'}, {heads} query heads over {kv} "
+                         f"KV heads of dimension {d}")
+                out = _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank)
+                _check_shards(exercise, where, out, q, k, v, heads, kv, tp, rank)
+                cases += 1
+
+    for name, overrides, tp in QKV_SETUPS:
+        path = write_tiny_checkpoint("tiny-llama-tp", initializer_range=0.5, **overrides)
+        config = ModelConfig.from_pretrained(path)
+        full = load_model(path, config, torch.device("cpu"), torch.float32, show_progress=False)
+        ids = torch.randint(3, config.vocab_size, (12,), generator=g).tolist()
+        expected = emulated_logits([full], ids)
+        models = load_rank_models(path, tp)
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            for i in range(config.num_hidden_layers):
+                prefix = f"model.layers.{i}.self_attn."
+                q, k, v = (f.get_tensor(prefix + f"{p}_proj.weight") for p in "qkv")
+                for rank, model in enumerate(models):
+                    out = _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank)
+                    _check_shards(exercise, f"{name}, layer {i}", out, q, k, v, heads, kv, tp,
+                                  rank)
+                    param = model.model.layers[i].self_attn.qkv_proj.weight
+                    with torch.no_grad():
+                        param.fill_(float("nan"))  # only the learner's shards count
+                        param.copy_(torch.cat(list(out)))
+        got = emulated_logits(models, ids)
+        compare_tensors(exercise, f"{name}: the logits of the model loaded with your shards",
+                        got, expected, 1e-4, 1e-4, QKV_CONVENTION)
+        if not torch.equal(got.argmax(-1), expected.argmax(-1)):
+            fail(exercise, f"{name}: the greedy tokens differ from the unsharded model's. "
+                           f"{QKV_CONVENTION}")
+    passed(exercise, f"your shards matched the convention in {cases} random cases, and a tiny "
+                     f"Llama loaded with them gave the unsharded model's logits at "
+                     f"{'; '.join(n for n, _, _ in QKV_SETUPS)}.")
