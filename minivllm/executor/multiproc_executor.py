@@ -146,6 +146,14 @@ class MultiprocExecutor(Executor):
         while len(results) < len(expected):
             rank, status, payload = self._recv()
             if status == "error":
+                # a rank whose peer died fails in its collective (connection reset) a moment
+                # before the dead process is reaped: name the death, not the symptom
+                deadline = time.monotonic() + 0.2
+                while True:
+                    self.check_health()
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
                 raise RuntimeError(f"tensor-parallel worker {rank} raised in {method}:\n{payload}")
             results[rank] = payload
         return [results[r] for r in expected]
