@@ -348,7 +348,7 @@ def test_allocate_slots_check_passes_the_rule(capsys):
     ("floor", ["floor(tokens / block_size)", "round up"]),
     ("forgets existing blocks", ["the blocks it already holds count"]),
     ("no room check", ["more than are free", "return None, taking nothing"]),
-    ("partial", ["returned None but took 1 blocks", "leak"]),
+    ("partial", ["returned None but took 1 block from the pool", "leak"]),
 ])
 def test_allocate_slots_mistakes_fail_naming_them(mistake, fragments):
     _fails(checks.check_allocate_slots, _manager(mistake), "Exercise 3.1", *fragments,

@@ -143,7 +143,7 @@ class _Ledger:
             if now_free != free or now_held != held:
                 fail(self.exercise, f"{situation}: it needs {need} new blocks, more than are "
                                     f"free. Your allocate_slots returned None but took "
-                                    f"{free - now_free} blocks from the pool (the request now "
+                                    f"{_blocks(free - now_free)} from the pool (the request now "
                                     f"holds {now_held}): a refusal takes nothing, or those "
                                     f"blocks leak. {CONVENTION}")
             return False
@@ -169,6 +169,10 @@ class _Ledger:
     def free(self, rid: str) -> None:
         self.manager.free(self.requests.pop(rid))
         self.held.pop(rid, None)
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
 
 
 def _shown(got) -> str:
