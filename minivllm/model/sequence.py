@@ -105,8 +105,8 @@ def greedy_generate(
             t0 = time.perf_counter()
             end = start + len(feed)
             meta = single_sequence_metadata(start, end, block_table, block_size, device)
-            hidden = model(torch.tensor(feed, device=device), torch.arange(start, end, device=device),
-                           meta)
+            ids = torch.tensor(feed, device=device)
+            hidden = model(ids, torch.arange(start, end, device=device), meta)
             next_id = int(model.compute_logits(hidden[-1:]).argmax())
             seconds.append(time.perf_counter() - t0)
             new_ids.append(next_id)

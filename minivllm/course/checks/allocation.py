@@ -309,7 +309,8 @@ def _compare_runs(exercise: str, expected: dict, got: dict) -> None:
         fail(exercise, f"{where}: the workload took {len(got['steps'])} steps, expected "
                        f"{len(expected['steps'])}. {CONVENTION}")
     if got["outputs"] != expected["outputs"]:
-        bad = sorted(r for r in expected["outputs"] if got["outputs"].get(r) != expected["outputs"][r])
+        bad = sorted(r for r, tokens in expected["outputs"].items()
+                     if got["outputs"].get(r) != tokens)
         fail(exercise, f"{where}: requests {bad} generated other tokens than with the package's "
                        f"allocate_slots. {CONVENTION}")
 

@@ -79,7 +79,8 @@ class _Recorder:
                     f"unavailable. You may use single_sequence_metadata, get_attention_backend, "
                     f"model(...) and model.compute_logits.")
             frame = frame.f_back
-        self.calls.append((torch.as_tensor(input_ids).tolist(), torch.as_tensor(positions).tolist()))
+        self.calls.append((torch.as_tensor(input_ids).tolist(),
+                           torch.as_tensor(positions).tolist()))
         return self.forward(input_ids, positions, *args, **kwargs)
 
     def __enter__(self):
