@@ -197,6 +197,69 @@ def test_sampler_that_ignores_greedy_rows_fails():
     _fails(checks.check_sampler, AlwaysSamples, "argmax", engine=False)
 
 
+# -- 2.2 the generation loop with a KV cache -------------------------------------------------------
+
+def _loop(mistake=None):
+    from minivllm.attention.backend import get_attention_backend
+    from minivllm.model.sequence import greedy_generate, sequence_logits, single_sequence_metadata
+
+    def generate_with_cache(model, ids, n, block_size=16):
+        if mistake == "delegates":
+            return greedy_generate(model, ids, n, block_size)[0]
+        if mistake == "no cache":
+            ids = list(ids)
+            for _ in range(n):
+                ids.append(int(sequence_logits(model, ids)[-1].argmax()))
+            return ids[-n:]
+        c = model.config
+        num_blocks = -(-(len(ids) + n) // block_size)
+        for layer in model.attention_layers():
+            layer.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+            layer.backend = get_attention_backend("torch")
+        feed, start, out = list(ids), 0, []
+        if mistake == "prompt token by token":
+            for i in range(len(ids) - 1):
+                model(torch.tensor(ids[i:i + 1]), torch.arange(i, i + 1),
+                      single_sequence_metadata(i, i + 1, list(range(num_blocks)), block_size, "cpu"))
+            feed, start = ids[-1:], len(ids) - 1
+        for _ in range(n):
+            end = start + len(feed)
+            meta = single_sequence_metadata(start, end, list(range(num_blocks)), block_size, "cpu")
+            hidden = model(torch.tensor(feed), torch.arange(start, end), meta)
+            out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+            feed, start = [out[-1]], (len(ids) if mistake == "same position" else end)
+        return out
+
+    return generate_with_cache
+
+
+def test_greedy_generate_equals_recomputing_without_a_cache():
+    from minivllm.course.checks.generation import _model
+    from minivllm.model.sequence import greedy_generate, sequence_logits
+
+    model = _model()
+    ids = list(range(300, 313))
+    tokens, seconds = greedy_generate(model, ids, 6, block_size=4)
+    for _ in range(6):
+        ids.append(int(sequence_logits(model, ids)[-1].argmax()))
+    assert tokens == ids[13:] and len(seconds) == 6
+
+
+def test_cached_generation_check_passes_the_loop(capsys):
+    checks.check_cached_generation(_loop())
+    assert "Exercise 2.2 passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, fragments", [
+    ("no cache", ["forward 2 fed 2 tokens", "only the token just chosen"]),
+    ("prompt token by token", ["prefill the whole prompt in one forward"]),
+    ("same position", ["expected position"]),
+    ("delegates", ["greedy_generate", "write that loop"]),
+])
+def test_cached_generation_mistakes_fail_naming_them(mistake, fragments):
+    _fails(checks.check_cached_generation, _loop(mistake), "Exercise 2.2", *fragments)
+
+
 # -- 3.1 slot mapping, 3.2 paged attention ---------------------------------------------------------
 
 @pytest.mark.slow
@@ -246,6 +309,70 @@ def test_unsolved_exercise_propagates_not_implemented_error():
 
     with pytest.raises(NotImplementedError, match="Exercise 3.1"):
         checks.check_slot_mapping(unsolved)
+
+
+# -- 3.1 allocate_slots --------------------------------------------------------------------------
+
+def _manager(mistake=None):
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.utils import cdiv
+
+    class Manager(KVCacheManager):
+        def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                           new_computed_blocks=None):
+            blocks = self.req_to_blocks.setdefault(request.request_id, [])
+            total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            held = 0 if mistake == "forgets existing blocks" else len(blocks)
+            rounded = total // self.block_size if mistake == "floor" else cdiv(total, self.block_size)
+            need = max(0, rounded - held)
+            free = self.block_pool.get_num_free_blocks()
+            if mistake == "partial" and need > free:
+                blocks.extend(self.block_pool.get_new_blocks(free))
+                return None
+            if need > free and mistake != "no room check":
+                return None
+            new = self.block_pool.get_new_blocks(need)
+            blocks.extend(new)
+            return new
+
+    return Manager
+
+
+def test_allocate_slots_check_passes_the_rule(capsys):
+    checks.check_allocate_slots(_manager())
+    out = capsys.readouterr().out
+    assert "Exercise 3.1 passed" in out and "preemptions" in out
+
+
+@pytest.mark.parametrize("mistake, fragments", [
+    ("floor", ["floor(tokens / block_size)", "round up"]),
+    ("forgets existing blocks", ["the blocks it already holds count"]),
+    ("no room check", ["more than are free", "return None, taking nothing"]),
+    ("partial", ["returned None but took 1 block from the pool", "leak"]),
+])
+def test_allocate_slots_mistakes_fail_naming_them(mistake, fragments):
+    _fails(checks.check_allocate_slots, _manager(mistake), "Exercise 3.1", *fragments,
+           "ceil(tokens / block_size)")
+
+
+def test_allocate_slots_check_refuses_the_package_own():
+    from minivllm.core.kv_cache_manager import KVCacheManager
+
+    class Inherits(KVCacheManager):
+        pass
+
+    class CallsSuper(KVCacheManager):
+        def allocate_slots(self, *args, **kwargs):
+            try:
+                return super().allocate_slots(*args, **kwargs)
+            except Exception:
+                return None
+
+    for cls in (Inherits, CallsSuper):
+        _fails(checks.check_allocate_slots, cls, "Exercise 3.1",
+               "KVCacheManager.allocate_slots", "write it")
+    assert KVCacheManager.allocate_slots.__name__ == "allocate_slots"
+    assert "num_new_computed_tokens" in KVCacheManager.allocate_slots.__code__.co_varnames
 
 
 def test_slot_mapping_check_accepts_numpy_output():
@@ -556,6 +683,35 @@ def test_unsolved_scheduler_exercise_propagates_not_implemented_error():
 
     with pytest.raises(NotImplementedError, match="Exercise 5.1"):
         checks.check_unified_scheduler(Unsolved)
+
+
+# -- 5.2 choosing the chunking (simulated) ---------------------------------------------------------
+
+def _chunking(budget, cap):
+    return {"max_num_batched_tokens": budget, "long_prefill_token_threshold": cap}
+
+
+def test_chunking_check_passes_the_grid_best_and_a_choice_within_the_margin(capsys):
+    from minivllm.course.checks.tuning import grid_best
+
+    (budget, cap), best, feasible = grid_best()
+    assert best["p99_tpot_ms"] <= 20.0 and 1 < feasible < 26
+    checks.check_chunking_choice(_chunking(budget, cap))
+    out = capsys.readouterr().out
+    assert "Exercise 5.2 passed" in out and "mean TTFT" in out and "P99 TPOT" in out
+
+
+@pytest.mark.parametrize("choice, fragments", [
+    (_chunking(2048, 0), ["over the 20 ms limit", "P99 TPOT 64"]),  # one long step after another
+    (_chunking(512, 0), ["slower to the first token", "more than 10%"]),  # no cap
+    (_chunking(128, 64), ["slower to the first token"]),  # prompts spread over many steps
+    ({"max_num_batched_tokens": 512}, ["exactly the keys"]),
+    (_chunking(512, -1), ["long_prefill_token_threshold must be in"]),
+])
+def test_chunking_choices_that_miss_fail_saying_what_was_measured(choice, fragments):
+    _fails(checks.check_chunking_choice, choice, "Exercise 5.2", *fragments,
+           "the best of a grid search" if "keys" not in fragments[0] and "must" not in fragments[0]
+           else "Expected")
 
 
 # -- 6.1 the block hash chain ----------------------------------------------------------------------

@@ -20,9 +20,9 @@ from minivllm.core.builder import build_scheduler_from_config
 from minivllm.course.views import engine_core
 
 # what a swap may change: how requests are scheduled, never the model or the cache's layout
-SWAPPABLE = ("scheduler", "scheduler_cls", "max_num_seqs", "max_num_batched_tokens",
-             "enable_chunked_prefill", "long_prefill_token_threshold", "enable_prefix_caching",
-             "num_kv_blocks")
+SWAPPABLE = ("scheduler", "scheduler_cls", "kv_cache_manager_cls", "max_num_seqs",
+             "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
+             "enable_prefix_caching", "num_kv_blocks")
 
 
 @contextmanager

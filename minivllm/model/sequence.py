@@ -73,3 +73,45 @@ def sequence_logits(
     finally:
         for layer, (cache, be) in zip(model.attention_layers(), saved):
             layer.kv_cache, layer.backend = cache, be
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model, prompt_ids: list[int], num_tokens: int, block_size: int = 16
+) -> tuple[list[int], list[float]]:
+    """Greedy generation of one sequence with a KV cache (chapter 02): the prompt is computed
+    once (prefill), then each step feeds only the token just chosen (decode), its keys and
+    values joining the cache. Returns the ``num_tokens`` new token ids and each step's seconds.
+
+    The cache is the model's own paged layout with the sequence's blocks 0, 1, 2, ... in order:
+    one contiguous buffer for this request, reserved up front for prompt + ``num_tokens``.
+    """
+    import time
+
+    config = model.config
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    num_blocks = cdiv(len(prompt_ids) + num_tokens, block_size)
+    block_table = list(range(num_blocks))
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    saved = [(layer.kv_cache, layer.backend) for layer in model.attention_layers()]
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.backend = get_attention_backend("torch")
+    new_ids, seconds = [], []
+    feed, start = list(prompt_ids), 0  # prefill: every prompt token
+    try:
+        for _ in range(num_tokens):
+            t0 = time.perf_counter()
+            end = start + len(feed)
+            meta = single_sequence_metadata(start, end, block_table, block_size, device)
+            ids = torch.tensor(feed, device=device)
+            hidden = model(ids, torch.arange(start, end, device=device), meta)
+            next_id = int(model.compute_logits(hidden[-1:]).argmax())
+            seconds.append(time.perf_counter() - t0)
+            new_ids.append(next_id)
+            feed, start = [next_id], end  # decode: only the token just chosen
+    finally:
+        for layer, (cache, be) in zip(model.attention_layers(), saved):
+            layer.kv_cache, layer.backend = cache, be
+    return new_ids, seconds

@@ -6,10 +6,12 @@ component passes and raises ``CheckFailed`` (an AssertionError) naming what was 
 what came back when it does not.
 """
 
+from minivllm.course.checks.allocation import check_allocate_slots
 from minivllm.course.checks.capstone import check_goodput_tuner
 from minivllm.course.checks.common import CheckFailed
 from minivllm.course.checks.detokenizer import check_detokenizer
 from minivllm.course.checks.engine_core import check_busy_loop
+from minivllm.course.checks.generation import check_cached_generation
 from minivllm.course.checks.hotpath import (
     check_capture_sizes, check_graph_runner, check_persistent_batch,
 )
@@ -24,6 +26,7 @@ from minivllm.course.checks.sampler import check_sampler
 from minivllm.course.checks.scheduler import check_phase_separated_scheduler, check_unified_scheduler
 from minivllm.course.checks.serving import check_benchmark_metrics, check_chat_stream
 from minivllm.course.checks.tp import check_qkv_sharding, check_row_parallel_linear
+from minivllm.course.checks.tuning import check_chunking_choice
 
 __all__ = [
     "CheckFailed",
@@ -31,10 +34,13 @@ __all__ = [
     "check_rotary",
     "check_gqa_attention",
     "check_sampler",
+    "check_cached_generation",
     "check_slot_mapping",
+    "check_allocate_slots",
     "check_paged_attention",
     "check_phase_separated_scheduler",
     "check_unified_scheduler",
+    "check_chunking_choice",
     "check_block_hashes",
     "check_block_pool",
     "check_busy_loop",
