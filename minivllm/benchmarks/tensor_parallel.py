@@ -109,8 +109,8 @@ def main(args) -> int:
         executor.collective_rpc("ping", (None,))
     empty_round_trip = (time.perf_counter() - start) / max(1, len(recorded))
 
-    elem = torch.tensor([], dtype=c.dtype).element_size()
-    m = c.model_config
+    elem = torch.tensor([], dtype=c.model_config.dtype).element_size()
+    m = c.model_config.hf_config
     all_reduce = [executor.collective_rpc("measure_all_reduce", (n,), output_rank=0)[0]
                   for n in args.all_reduce_tokens]
     llm.llm_engine.shutdown()
@@ -119,7 +119,7 @@ def main(args) -> int:
         "machine": machine_info(),
         "model": {"hidden_size": m.hidden_size, "num_layers": m.num_hidden_layers,
                   "heads": m.num_attention_heads, "kv_heads": m.num_key_value_heads,
-                  "vocab": m.vocab_size, "dtype": str(c.dtype).replace("torch.", ""),
+                  "vocab": m.vocab_size, "dtype": str(c.model_config.dtype).replace("torch.", ""),
                   "random_weights": args.model is None},
         "tensor_parallel_size": tp,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
