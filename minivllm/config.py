@@ -1,9 +1,11 @@
 """Engine arguments (what a user may set) and the resolved engine configuration.
 
-``EngineArgs`` keeps vLLM's names so a learner can carry flags between the two projects.
-``EngineArgs.create_config()`` resolves every "auto" in one place — the device, the dtype, the
-attention backend, the token budget — and rejects impossible combinations with a ``ValueError``
-that names the field, before any weight is loaded.
+``EngineArgs`` keeps vLLM's names so a learner can carry flags between the two projects; it is
+flat, one field per command-line flag. ``EngineArgs.create_config()`` resolves every "auto" in one
+place — the device, the dtype, the attention backend, the token budget — rejects impossible
+combinations with a ``ValueError`` that names the field, before any weight is loaded, and fills
+``EngineConfig``: a tree of groups named as vLLM's ``VllmConfig`` (``config.cache_config.block_size``,
+``config.model_config.hf_config`` for the model's architecture, ...).
 """
 
 from __future__ import annotations
@@ -203,12 +205,12 @@ class EngineArgs:
         from minivllm.model_hub import resolve_model
 
         model_path = resolve_model(self.model, revision=self.revision)
-        model_config = ModelConfig.from_pretrained(model_path)
+        hf_config = ModelConfig.from_pretrained(model_path)
 
         device = _resolve_device(self.device)
-        dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
+        dtype = _resolve_dtype(self.dtype, device, hf_config.torch_dtype)
 
-        max_model_len, model_config = _resolve_max_model_len(self.max_model_len, model_config)
+        max_model_len, hf_config = _resolve_max_model_len(self.max_model_len, hf_config)
 
         chunked = self.enable_chunked_prefill and self.scheduler == "v1"
         budget = self.max_num_batched_tokens
@@ -239,7 +241,7 @@ class EngineArgs:
                 f"tensor_parallel_size={tp} needs 'mp'")
         from minivllm.model.parallel_layers import check_tensor_parallel_size
 
-        check_tensor_parallel_size(model_config, tp)
+        check_tensor_parallel_size(hf_config, tp)
         if tp > 1 and device.type == "cuda":
             import torch
 
@@ -256,7 +258,7 @@ class EngineArgs:
                 dtype=dtype,
                 seed=self.seed,
                 max_model_len=max_model_len,
-                hf_config=model_config,
+                hf_config=hf_config,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -18,7 +18,7 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
    The sampled tokens are appended to the batch's own token ids: they never travel back.
 
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
-kernels, ``torch.compile``, or plain torch: ``EngineConfig.use_custom_ops`` / ``compile``), and on
+kernels, ``torch.compile``, or plain torch: ``EngineConfig.compilation_config``), and on
 CUDA replays decode steps from CUDA graphs (``cuda_graphs.py``; off with ``enforce_eager``).
 """
 
