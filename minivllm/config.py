@@ -1,9 +1,11 @@
 """Engine arguments (what a user may set) and the resolved engine configuration.
 
-``EngineArgs`` keeps vLLM's names so a learner can carry flags between the two projects.
-``EngineArgs.create_config()`` resolves every "auto" in one place — the device, the dtype, the
-attention backend, the token budget — and rejects impossible combinations with a ``ValueError``
-that names the field, before any weight is loaded.
+``EngineArgs`` keeps vLLM's names so a learner can carry flags between the two projects; it is
+flat, one field per command-line flag. ``EngineArgs.create_config()`` resolves every "auto" in one
+place — the device, the dtype, the attention backend, the token budget — rejects impossible
+combinations with a ``ValueError`` that names the field, before any weight is loaded, and fills
+``EngineConfig``: a tree of groups named as vLLM's ``VllmConfig`` (``config.cache_config.block_size``,
+``config.model_config.hf_config`` for the model's architecture, ...).
 """
 
 from __future__ import annotations
@@ -203,12 +205,12 @@ class EngineArgs:
         from minivllm.model_hub import resolve_model
 
         model_path = resolve_model(self.model, revision=self.revision)
-        model_config = ModelConfig.from_pretrained(model_path)
+        hf_config = ModelConfig.from_pretrained(model_path)
 
         device = _resolve_device(self.device)
-        dtype = _resolve_dtype(self.dtype, device, model_config.torch_dtype)
+        dtype = _resolve_dtype(self.dtype, device, hf_config.torch_dtype)
 
-        max_model_len, model_config = _resolve_max_model_len(self.max_model_len, model_config)
+        max_model_len, hf_config = _resolve_max_model_len(self.max_model_len, hf_config)
 
         chunked = self.enable_chunked_prefill and self.scheduler == "v1"
         budget = self.max_num_batched_tokens
@@ -239,7 +241,7 @@ class EngineArgs:
                 f"tensor_parallel_size={tp} needs 'mp'")
         from minivllm.model.parallel_layers import check_tensor_parallel_size
 
-        check_tensor_parallel_size(model_config, tp)
+        check_tensor_parallel_size(hf_config, tp)
         if tp > 1 and device.type == "cuda":
             import torch
 
@@ -248,31 +250,44 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {n}")
 
         return EngineConfig(
-            model_path=model_path,
-            tokenizer_path=self.tokenizer or model_path,
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            model_config=model_config,
-            device=device,
-            dtype=dtype,
-            seed=self.seed,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            model_config=EngineModelConfig(
+                model_path=model_path,
+                tokenizer_path=self.tokenizer or model_path,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                revision=self.revision,
+                dtype=dtype,
+                seed=self.seed,
+                max_model_len=max_model_len,
+                hf_config=hf_config,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=chunked,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tp,
+                distributed_executor_backend=executor,
+            ),
+            device_config=DeviceConfig(device=device),
+            compilation_config=CompilationConfig(
+                attention_backend=backend,
+                use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
+                compile=self.compile,
+                use_custom_ops=use_custom_ops,
+            ),
             scheduler=self.scheduler,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=chunked,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            attention_backend=backend,
-            use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
-            compile=self.compile,
             multiprocess=self.multiprocess,
-            tensor_parallel_size=tp,
-            distributed_executor_backend=executor,
             trace_steps=self.trace_steps,
             scheduler_cls=self.scheduler_cls,
             kv_cache_manager_cls=self.kv_cache_manager_cls,
@@ -280,7 +295,6 @@ class EngineArgs:
             sampler_cls=self.sampler_cls,
             detokenizer_cls=self.detokenizer_cls,
             model_runner_cls=_resolve_class("model_runner_cls", self.model_runner_cls),
-            use_custom_ops=use_custom_ops,
         )
 
     def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
@@ -365,6 +379,47 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+# -- the resolved configuration: a tree of groups, as vLLM's VllmConfig ------------------------
+#
+# EngineArgs is flat (one field per command-line flag); EngineConfig groups the resolved values by
+# the component that reads them, with vLLM's group names (model_config, cache_config,
+# scheduler_config, parallel_config, device_config, compilation_config), so a reader finds
+# ``config.cache_config.block_size`` here where vLLM has ``vllm_config.cache_config.block_size``.
+#
+# One naming choice: minivllm.model.config.ModelConfig is the model's *architecture* (layers,
+# heads, rope; read from config.json), which chapters 01-02 build the model from. The engine's
+# model group is therefore EngineModelConfig, reached as ``config.model_config`` (vLLM's attribute
+# name), and the architecture sits inside it as ``config.model_config.hf_config``, where vLLM keeps
+# the Hugging Face config of the model.
+
+
+@dataclass
+class EngineModelConfig:
+    """Which model the engine serves, and in which numbers."""
+
+    model_path: str  # a local folder (a hub name is downloaded and resolved to its folder)
+    tokenizer_path: str
+    skip_tokenizer_init: bool
+    revision: str | None
+    dtype: torch.dtype
+    seed: int
+    max_model_len: int  # longest prompt + output (the scheduler's copy: scheduler_config)
+    hf_config: ModelConfig  # the architecture, from config.json (minivllm.model.config)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, how many blocks (or the memory that decides it), prefix
+    caching."""
+
+    block_size: int
+    num_kv_blocks: int | None  # None: from kv_cache_memory_bytes or gpu_memory_utilization
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+
+
 @dataclass
 class SchedulerConfig:
     """The knobs a scheduler reads (also used without a model, by the simulator)."""
@@ -377,34 +432,42 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split across ranks, and who starts the ranks."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni" | "mp" | "external_launcher"
+
+
+@dataclass
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass
+class CompilationConfig:
+    """Which kernels a step runs: the attention backend (vLLM keeps it in its own attention
+    config), CUDA graphs, torch.compile, and the fused Triton elementwise kernels."""
+
+    attention_backend: str  # "torch" | "triton"
+    use_cuda_graph: bool
+    compile: bool
+    use_custom_ops: bool  # fused Triton elementwise kernels (resolved from custom_ops)
+
+
+@dataclass
 class EngineConfig:
     """The resolved configuration every engine component reads (no "auto" left)."""
 
-    model_path: str
-    tokenizer_path: str
-    skip_tokenizer_init: bool
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype
-    seed: int
-    block_size: int
-    num_kv_blocks: int | None
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-    prefix_caching_hash_algo: str
-    scheduler: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool
-    long_prefill_token_threshold: int
-    attention_backend: str
-    use_cuda_graph: bool
-    compile: bool
-    multiprocess: bool
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    model_config: EngineModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    compilation_config: CompilationConfig
+    # the engine's shape and its components
+    scheduler: str = "v1"  # "v1" | "v0" (ignored when scheduler_cls is given)
+    multiprocess: bool = False  # the engine core in its own process
     trace_steps: int = 100_000
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
@@ -412,16 +475,6 @@ class EngineConfig:
     sampler_cls: type | None = None
     detokenizer_cls: type | None = None
     model_runner_cls: type | None = None
-    use_custom_ops: bool = False  # fused Triton elementwise kernels (resolved from custom_ops)
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-        )
 
 
 def _resolve_max_model_len(asked: int | None, model_config: ModelConfig) -> tuple[int, ModelConfig]:

@@ -139,7 +139,7 @@ def _assert_same(a, b, atol=1e-3):
 @pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2", "qwen3"])
 def test_triton_backend_matches_torch_on_gpu(gpu_models, family):
     triton_run = _gpu_run(gpu_models[family])  # the CUDA default: Triton, fused ops, graphs
-    config = triton_run[0].llm_engine.config
+    config = triton_run[0].llm_engine.config.compilation_config
     assert config.attention_backend == "triton" and config.use_custom_ops and config.use_cuda_graph
     _assert_same(triton_run, _gpu_run(gpu_models[family], attention_backend="torch",
                                       custom_ops="none"))
@@ -169,7 +169,7 @@ def test_cuda_graphs_match_eager_and_are_replayed(gpu_models, monkeypatch):
 
 def test_compile_matches_eager_on_gpu(gpu_models):
     compiled = _gpu_run(gpu_models["llama"], compile=True)
-    assert not compiled[0].llm_engine.config.use_custom_ops
+    assert not compiled[0].llm_engine.config.compilation_config.use_custom_ops
     _assert_same(compiled, _gpu_run(gpu_models["llama"], enforce_eager=True))
 
 

@@ -93,10 +93,11 @@ def test_persistent_batch_matches_a_rebuild(config, ops, budget, threshold, poli
     if policy == "v0":
         budget = MAX_MODEL_LEN  # whole prompts in one step
     runner = ModelRunner(config, show_progress=False)
-    runner.initialize_kv_cache(config.num_kv_blocks)
-    sched_config = SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-                                   max_model_len=MAX_MODEL_LEN, long_prefill_token_threshold=threshold)
-    kv = KVCacheManager(config.num_kv_blocks, BLOCK_SIZE, enable_caching=caching)
+    runner.initialize_kv_cache(config.cache_config.num_kv_blocks)
+    sched_config = SchedulerConfig(max_num_seqs=config.scheduler_config.max_num_seqs,
+                                   max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
+                                   long_prefill_token_threshold=threshold)
+    kv = KVCacheManager(config.cache_config.num_kv_blocks, BLOCK_SIZE, enable_caching=caching)
     scheduler = (PhaseSeparatedScheduler if policy == "v0" else Scheduler)(sched_config, kv)
     prepared = []
     original = runner.prepare_inputs

@@ -19,8 +19,9 @@ def short_model(tmp_path_factory, bundled_path) -> str:
 
 def test_default_is_derived_from_the_config(short_model, monkeypatch):
     monkeypatch.delenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, raising=False)
-    assert EngineArgs(model=short_model).create_config().max_model_len == 32
-    assert EngineArgs(model=short_model, max_model_len=20).create_config().max_model_len == 20
+    assert EngineArgs(model=short_model).create_config().model_config.max_model_len == 32
+    config = EngineArgs(model=short_model, max_model_len=20).create_config()
+    assert config.model_config.max_model_len == 20
 
 
 def test_longer_than_the_model_is_refused_unless_allowed(short_model, monkeypatch):
@@ -30,9 +31,9 @@ def test_longer_than_the_model_is_refused_unless_allowed(short_model, monkeypatc
     monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV, "1")
     with pytest.warns(UserWarning, match="may be wrong"):
         cfg = EngineArgs(model=short_model, max_model_len=80).create_config()
-    assert cfg.max_model_len == 80
+    assert cfg.model_config.max_model_len == 80
     # the rotary table reaches every position the engine may now use
-    assert cfg.model_config.max_position_embeddings == 80
+    assert cfg.model_config.hf_config.max_position_embeddings == 80
 
 
 def test_allowed_long_context_runs_past_the_trained_positions(short_model, monkeypatch):

@@ -99,7 +99,8 @@ def test_triton_backend_matches_torch_on_mixed_chunked_prefix_batches(tiny_model
 
         monkeypatch.setattr(tb, name, counted)
     llm, tokens, logits = _RESULTS[path, "triton"] = _run(path, "triton")
-    assert _runner(llm).config.use_custom_ops  # fused elementwise kernels too (custom_ops="auto")
+    # fused elementwise kernels too (custom_ops="auto")
+    assert _runner(llm).config.compilation_config.use_custom_ops
     assert calls["decode"] and calls["prefill"]
 
     # the workload did exercise what it claims to
@@ -157,7 +158,8 @@ def test_cudagraph_batch_sizes():
 
 # -- the switch ----------------------------------------------------------------------------------
 def _config(path, **kwargs):
-    return EngineArgs(model=path, **kwargs).create_config()
+    """The kernel choices (attention backend, custom ops, CUDA graphs) EngineArgs resolve to."""
+    return EngineArgs(model=path, **kwargs).create_config().compilation_config
 
 
 def test_cpu_defaults_are_plain_torch_without_graphs(tiny_llama):
@@ -207,7 +209,7 @@ def test_import_and_generate_without_triton(tiny_llama):
         "from minivllm import LLM, SamplingParams\n"
         "from minivllm.attention.backend import get_attention_backend\n"
         f"llm = LLM({tiny_llama!r}, show_progress=False, skip_tokenizer_init=True, max_model_len=64)\n"
-        "c = llm.llm_engine.config\n"
+        "c = llm.llm_engine.config.compilation_config\n"
         "assert c.attention_backend == 'torch' and not c.use_custom_ops\n"
         "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)\n"
         "assert len(out[0].outputs[0].token_ids) == 3\n"
@@ -231,7 +233,7 @@ def test_compile_gives_the_same_tokens_and_logits(tiny_models):
     path = tiny_models["qwen3"]
     _, ref_tokens, ref_logits = _run_cached(path, "torch")
     llm, tokens, logits = _run(path, "torch", compile=True)
-    assert not _runner(llm).config.use_custom_ops
+    assert not _runner(llm).config.compilation_config.use_custom_ops
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

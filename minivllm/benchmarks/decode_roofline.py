@@ -106,7 +106,7 @@ def main(args) -> int:
     engine = llm.llm_engine
     cfg = engine.config
     runner = engine.engine_core.engine_core.model_runner
-    mc = cfg.model_config
+    mc = cfg.model_config.hf_config
 
     params = SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True)
     for i, n in enumerate(lens):
@@ -122,12 +122,12 @@ def main(args) -> int:
     forward = backend.forward
 
     def timed_forward(*a, **kw):  # on a GPU: synchronised around (run it with enforce_eager)
-        _sync(cfg.device)
+        _sync(cfg.device_config.device)
         start = time.perf_counter()
         try:
             return forward(*a, **kw)
         finally:
-            _sync(cfg.device)
+            _sync(cfg.device_config.device)
             attention_s[0] += time.perf_counter() - start
 
     backend.forward = timed_forward
@@ -144,12 +144,13 @@ def main(args) -> int:
     # contexts during the timed steps: the prompt, its first token, then one more per step
     mean_context = sum(lens) / args.batch + 2 + args.steps / 2
     kv_bytes = (args.batch * mean_context * mc.num_hidden_layers * 2 * mc.num_key_value_heads
-                * mc.head_dim * torch.finfo(cfg.dtype).bits // 8)
+                * mc.head_dim * torch.finfo(cfg.model_config.dtype).bits // 8)
     mm_s, mm_flops = matmul_time(runner.model, args.batch)
-    bandwidth = read_bandwidth(cfg.device)
+    bandwidth = read_bandwidth(cfg.device_config.device)
     result = {
         "benchmark": "decode-roofline", "machine": machine_info(),
-        "model": cfg.model_path, "dtype": str(cfg.dtype), "attention_backend": cfg.attention_backend,
+        "model": cfg.model_config.model_path, "dtype": str(cfg.model_config.dtype),
+        "attention_backend": cfg.compilation_config.attention_backend,
         "batch": args.batch, "context_range": [lo, hi], "mean_context": mean_context,
         "step_ms": step * 1e3,
         "matmuls_alone_ms": mm_s * 1e3,
@@ -164,7 +165,7 @@ def main(args) -> int:
     }
     r = result
     print(f"batch {args.batch}, contexts {lo}-{hi} (mean {mean_context:.0f}), "
-          f"{cfg.attention_backend} attention, {torch.get_num_threads()} threads")
+          f"{cfg.compilation_config.attention_backend} attention, {torch.get_num_threads()} threads")
     print(f"decode step        {r['step_ms']:8.1f} ms")
     print(f"matmuls alone      {r['matmuls_alone_ms']:8.1f} ms  ({r['matmul_gflops_per_s']:.1f} "
           f"GFLOP/s): {r['matmuls_over_step']:.0%} of the step")

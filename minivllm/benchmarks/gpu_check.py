@@ -76,9 +76,11 @@ def _engine_base(quick: bool, cuda: bool) -> dict:
 
 def _config_summary(llm) -> dict:
     c = llm.llm_engine.config
-    return {"attention_backend": c.attention_backend, "use_custom_ops": c.use_custom_ops,
-            "use_cuda_graph": c.use_cuda_graph, "compile": c.compile, "dtype": str(c.dtype),
-            "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens}
+    k, s = c.compilation_config, c.scheduler_config
+    return {"attention_backend": k.attention_backend, "use_custom_ops": k.use_custom_ops,
+            "use_cuda_graph": k.use_cuda_graph, "compile": k.compile,
+            "dtype": str(c.model_config.dtype),
+            "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens}
 
 
 # -- phases --------------------------------------------------------------------------------------

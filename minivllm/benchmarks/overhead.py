@@ -89,7 +89,7 @@ def measure_batch(llm, clock: StepClock, batch: int, steps: int, warmup: int,
 
     engine = llm.llm_engine
     rng = random.Random(seed)
-    vocab = engine.config.model_config.vocab_size
+    vocab = engine.config.model_config.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]

@@ -162,8 +162,8 @@ def main(args) -> int:
     broadcast = broadcast_figures(executor, recorded)
     collectives = collective_figures(before, after, recorded)
 
-    elem = torch.tensor([], dtype=c.dtype).element_size()
-    m = c.model_config
+    elem = torch.tensor([], dtype=c.model_config.dtype).element_size()
+    m = c.model_config.hf_config
     all_reduce = all_reduce_seconds(executor, args.all_reduce_tokens)
     llm.llm_engine.shutdown()
 
@@ -171,7 +171,7 @@ def main(args) -> int:
         "machine": machine_info(),
         "model": {"hidden_size": m.hidden_size, "num_layers": m.num_hidden_layers,
                   "heads": m.num_attention_heads, "kv_heads": m.num_key_value_heads,
-                  "vocab": m.vocab_size, "dtype": str(c.dtype).replace("torch.", ""),
+                  "vocab": m.vocab_size, "dtype": str(c.model_config.dtype).replace("torch.", ""),
                   "random_weights": args.model is None},
         "tensor_parallel_size": tp,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,

@@ -122,7 +122,7 @@ def main(args) -> int:
     spec = resolve_workload(args)
     prompts, out_lens = make_workload(
         spec["num_prompts"], spec["input_len_range"], spec["output_len_range"],
-        cfg.model_config.vocab_size, avoid, seed=args.seed,
+        cfg.model_config.hf_config.vocab_size, avoid, seed=args.seed,
     )
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(out_lens)
     run_minivllm(llm, [prompts[0][:8]], [2])  # warm-up
@@ -130,7 +130,7 @@ def main(args) -> int:
     result = {
         "benchmark": "throughput",
         "machine": machine_info(),
-        "model": cfg.model_path if args.model else "bundled SmolLM2-135M-Instruct",
+        "model": cfg.model_config.model_path if args.model else "bundled SmolLM2-135M-Instruct",
         "workload": args.workload,
         "workload_spec": spec,
         "num_prompts": len(prompts),
@@ -142,8 +142,9 @@ def main(args) -> int:
           f"{(prompt_tokens + output_tokens) / elapsed:9.1f} total tok/s")
     if args.compare_hf:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        hf_elapsed = run_hf(cfg.model_path, prompts, out_lens, spec["hf_batch_size"],
-                            cfg.device, cfg.dtype, pad, sort=spec["hf_sort"])
+        hf_elapsed = run_hf(cfg.model_config.model_path, prompts, out_lens, spec["hf_batch_size"],
+                            cfg.device_config.device, cfg.model_config.dtype, pad,
+                            sort=spec["hf_sort"])
         result["transformers"] = _rates(hf_elapsed, prompt_tokens, output_tokens)
         result["transformers"]["batch_size"] = spec["hf_batch_size"]
         result["transformers"]["sorted_by_prompt_length"] = spec["hf_sort"]

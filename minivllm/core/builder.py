@@ -41,8 +41,8 @@ def build_scheduler(
 def build_scheduler_from_config(config, num_blocks: int) -> Scheduler:
     """The scheduler an ``EngineConfig`` describes, over ``num_blocks`` KV blocks."""
     return build_scheduler(
-        config.scheduler_config(), num_blocks, config.block_size,
-        scheduler=config.scheduler, enable_caching=config.enable_prefix_caching,
-        hash_algo=config.prefix_caching_hash_algo, scheduler_cls=config.scheduler_cls,
+        config.scheduler_config, num_blocks, config.cache_config.block_size,
+        scheduler=config.scheduler, enable_caching=config.cache_config.enable_prefix_caching,
+        hash_algo=config.cache_config.prefix_caching_hash_algo, scheduler_cls=config.scheduler_cls,
         kv_cache_manager_cls=config.kv_cache_manager_cls, block_pool_cls=config.block_pool_cls,
     )

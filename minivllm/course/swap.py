@@ -47,9 +47,9 @@ def swapped_scheduler(llm, **overrides):
         raise ValueError(f"num_kv_blocks={num_blocks}: the KV cache holds only {capacity} blocks")
     config = dataclasses.replace(llm.engine_args, **overrides).create_config()
 
-    if config.max_num_seqs > core.config.max_num_seqs:
-        raise ValueError(f"max_num_seqs={config.max_num_seqs}: the engine was built for at most "
-                         f"{core.config.max_num_seqs}")
+    asked, built = config.scheduler_config.max_num_seqs, core.config.scheduler_config.max_num_seqs
+    if asked > built:
+        raise ValueError(f"max_num_seqs={asked}: the engine was built for at most {built}")
     scheduler = build_scheduler_from_config(config, num_blocks)
     own = core.replace_scheduler(scheduler)  # (scheduler, step trace, step count)
     try:

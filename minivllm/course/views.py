@@ -19,7 +19,7 @@ def engine_core(llm):
 def block_tables(llm) -> dict[str, list[int]]:
     """request id -> the ids of the KV blocks it holds, in order (its block table)."""
     manager = engine_core(llm).scheduler.kv_cache_manager
-    return {rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items() if blocks}
+    return {rid: ids for rid, ids in manager.block_ids_by_request().items() if ids}
 
 
 def running_requests(llm) -> list:
@@ -39,6 +39,6 @@ def kv_block_states(llm) -> dict:
     return {
         "ref_cnt": [b.ref_cnt for b in pool.blocks],
         "block_hash": [None if b.block_hash is None else b.block_hash.hex()[:8] for b in pool.blocks],
-        "free_order": [b.block_id for b in pool.free_block_queue],
+        "free_order": pool.free_block_ids(),
         "tables": block_tables(llm),
     }

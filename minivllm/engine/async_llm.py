@@ -78,7 +78,8 @@ class AsyncLLM:
         stat_loggers: list[StatLoggerBase] | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer_path)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, config.detokenizer_cls)
         self.engine_core = make_async_client(config, show_progress=show_progress)

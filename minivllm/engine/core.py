@@ -40,11 +40,12 @@ class EngineCore:
 
     def _init_kv_cache_and_scheduler(self, config: EngineConfig) -> None:
         num_blocks = self.model_executor.determine_num_blocks()
-        needed = cdiv(config.max_model_len, config.block_size)
+        max_model_len, block_size = config.model_config.max_model_len, config.cache_config.block_size
+        needed = cdiv(max_model_len, block_size)
         if num_blocks < needed:
             raise ValueError(
-                f"max_model_len ({config.max_model_len}) needs {needed} KV blocks of "
-                f"{config.block_size} tokens, but the KV cache holds only {num_blocks}: lower "
+                f"max_model_len ({max_model_len}) needs {needed} KV blocks of "
+                f"{block_size} tokens, but the KV cache holds only {num_blocks}: lower "
                 "max_model_len, or raise num_kv_blocks / kv_cache_memory_bytes"
             )
         self.model_executor.initialize_kv_cache(num_blocks)

@@ -111,7 +111,7 @@ def engine_core_cpu_threads(config) -> int | None:
     op, so one of them losing its core to the server stalls the whole step. An explicit
     OMP_NUM_THREADS wins (None: leave torch alone; on a GPU the core mostly launches kernels)."""
     cpus = os.cpu_count() or 1
-    if config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cpus < 2:
+    if config.device_config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cpus < 2:
         return None
     return cpus - 1
 

@@ -22,7 +22,8 @@ from minivllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer_path)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, config.detokenizer_cls)
         self.engine_core = make_client(config, show_progress=show_progress)

@@ -53,7 +53,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ADD = b"\x00"  # an EngineCoreRequest
     ABORT = b"\x01"  # a list of request ids
     UTILITY = b"\x02"  # (call_id, method name, args): get_stats, get_step_trace, ...
-    SHUTDOWN = b"\x03"  # leave the busy loop
+    SHUTDOWN = b"\x03"  # leave the busy loop (in-process only: a core process gets SIGTERM)
 
 
 @dataclass

@@ -44,8 +44,8 @@ class Processor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = config.model_config.vocab_size
-        eos = list(config.model_config.eos_token_ids)
+        self.vocab_size = config.model_config.hf_config.vocab_size
+        eos = list(config.model_config.hf_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         if tok_eos is not None and tok_eos not in eos:
             eos.append(tok_eos)
@@ -100,12 +100,12 @@ class Processor:
         if params.top_k >= self.vocab_size:  # keeps every token: the same as no top-k at all
             params.top_k = 0
         if params.max_tokens is None:
-            params.max_tokens = self.config.max_model_len - len(ids) or 1
+            params.max_tokens = self.config.model_config.max_model_len - len(ids) or 1
             if params.min_tokens > params.max_tokens:
                 raise ValueError(
                     f"min_tokens ({params.min_tokens}) must not exceed the {params.max_tokens} "
                     f"tokens left after the {len(ids)}-token prompt within max_model_len "
-                    f"({self.config.max_model_len})")
+                    f"({self.config.model_config.max_model_len})")
         core_request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -119,10 +119,10 @@ class Processor:
     def validate_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt: must not be empty (it has no tokens)")
-        if len(ids) > self.config.max_model_len:
+        if len(ids) > self.config.model_config.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens is longer than max_model_len "
-                f"({self.config.max_model_len})"
+                f"({self.config.model_config.max_model_len})"
             )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:

@@ -15,11 +15,12 @@ from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequestType
 
 _encoder = msgspec.msgpack.Encoder()
+# What crosses the wire. SHUTDOWN does not: only the in-process client puts it on the busy
+# loop's queue; a core process is stopped by its front end with SIGTERM (core_client_mp.py).
 _payload_decoders = {
     EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
     EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(tuple[int, str, list[Any]]),
-    EngineCoreRequestType.SHUTDOWN: msgspec.msgpack.Decoder(None),
 }
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _ready_decoder = msgspec.msgpack.Decoder(EngineCoreReady)
@@ -31,6 +32,8 @@ def encode_request(kind: EngineCoreRequestType, payload: Any) -> list[bytes]:
 
 def decode_request(frames: list) -> tuple[EngineCoreRequestType, Any]:
     kind = EngineCoreRequestType(bytes(frames[0]))
+    if kind not in _payload_decoders:
+        raise ValueError(f"{kind.name} is not a message the engine core process receives")
     return kind, _payload_decoders[kind].decode(frames[1])
 
 

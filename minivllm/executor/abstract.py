@@ -28,11 +28,11 @@ class WorkerDiedError(RuntimeError):
 class Executor:
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
-        if config.distributed_executor_backend == "mp":
+        if config.parallel_config.distributed_executor_backend == "mp":
             from minivllm.executor.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
-        if config.distributed_executor_backend == "external_launcher":
+        if config.parallel_config.distributed_executor_backend == "external_launcher":
             from minivllm.executor.external_launcher import ExternalLauncherExecutor
 
             return ExternalLauncherExecutor

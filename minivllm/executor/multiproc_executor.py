@@ -66,7 +66,7 @@ class _Resources:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         super().__init__(config, show_progress)
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel_config.tensor_parallel_size
         self.resources = _Resources()
         self._finalizer = owner_finalizer(self, self.resources)
         ctx, tmp = self.resources.ctx, self.resources.tmpdir
@@ -184,9 +184,10 @@ def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_a
     rank = int(dist_env["RANK"])
     import torch
 
-    if config.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if config.device_config.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # the ranks share this machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        ranks = config.parallel_config.tensor_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
     ctx = zmq.Context()
     steps = ctx.socket(zmq.PULL)

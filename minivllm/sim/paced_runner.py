@@ -34,7 +34,7 @@ class PacedModelRunner:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.vocab_size = config.model_config.vocab_size
+        self.vocab_size = config.model_config.hf_config.vocab_size
         # request id -> [tokens the request has (prompt + sampled), tokens computed]
         self.requests: dict[str, list[int]] = {}
         self.kv_caches: list = []
@@ -44,9 +44,11 @@ class PacedModelRunner:
         self.log = open(path, "a", buffering=1) if path else None  # line-buffered
 
     def determine_num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
+        if self.config.cache_config.num_kv_blocks is not None:
+            return self.config.cache_config.num_kv_blocks
+        c = self.config
+        cap = (c.scheduler_config.max_num_seqs
+               * -(-c.model_config.max_model_len // c.cache_config.block_size))
         return max(1, min(cap, 30_000))  # what an H100's spare memory holds for Llama-3-8B
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -18,7 +18,7 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
    The sampled tokens are appended to the batch's own token ids: they never travel back.
 
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
-kernels, ``torch.compile``, or plain torch: ``EngineConfig.use_custom_ops`` / ``compile``), and on
+kernels, ``torch.compile``, or plain torch: ``EngineConfig.compilation_config``), and on
 CUDA replays decode steps from CUDA graphs (``cuda_graphs.py``; off with ``enforce_eager``).
 """
 
@@ -60,38 +60,38 @@ class CpuGpuBuffer:
 class ModelRunner:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
-        self.device = config.device
-        self.block_size = config.block_size
-        torch.manual_seed(config.seed)
-        self.model = load_model(
-            config.model_path, config.model_config, config.device, config.dtype, show_progress
-        )
+        model_config, sched = config.model_config, config.scheduler_config
+        self.device = config.device_config.device
+        self.block_size = config.cache_config.block_size
+        torch.manual_seed(model_config.seed)
+        self.model = load_model(model_config.model_path, model_config.hf_config, self.device,
+                                model_config.dtype, show_progress)
         # this rank's KV heads (all of them without tensor parallelism)
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        self.attention_backend = get_attention_backend(config.attention_backend)
+        self.attention_backend = get_attention_backend(config.compilation_config.attention_backend)
         for layer in self.model.attention_layers():
             layer.backend = self.attention_backend
-        if config.use_custom_ops:
+        if config.compilation_config.use_custom_ops:
             from minivllm.kernels import triton_elementwise_ops
 
             use_elementwise_ops(self.model, triton_elementwise_ops())
-        elif config.compile:
+        elif config.compilation_config.compile:
             # dynamic: one compiled graph serves every batch size
             use_elementwise_ops(self.model, {name: torch.compile(fn, dynamic=True)
                                              for name, fn in NATIVE_OPS.items()})
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
 
         # step buffers, allocated once; a CUDA-graph batch is padded up to a captured size,
         # which may exceed max_num_seqs and the token budget
-        max_graph_batch = cudagraph_batch_sizes(config.max_num_seqs)[-1]
-        max_reqs = max(config.max_num_seqs, max_graph_batch)
-        max_tokens = max(config.max_num_batched_tokens, max_graph_batch)
+        max_graph_batch = cudagraph_batch_sizes(sched.max_num_seqs)[-1]
+        max_reqs = max(sched.max_num_seqs, max_graph_batch)
+        max_tokens = max(sched.max_num_batched_tokens, max_graph_batch)
         # the persistent batch, and every request the runner holds (also those without a row)
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(max_reqs, config.max_model_len, self.block_size,
+        self.input_batch = InputBatch(max_reqs, model_config.max_model_len, self.block_size,
                                       self.device, pin_memory=self.device.type == "cuda")
         self.input_ids = CpuGpuBuffer(max_tokens, torch.int32, self.device)
         self.positions = CpuGpuBuffer(max_tokens, torch.int64, self.device)
@@ -103,22 +103,24 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        c = self.config.model_config
-        elem = torch.tensor([], dtype=self.config.dtype).element_size()
+        c = self.config.model_config.hf_config
+        elem = torch.tensor([], dtype=self.config.model_config.dtype).element_size()
         return self.block_size * 2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * elem
 
     def determine_num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        cache = self.config.cache_config
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
         per_block = self.kv_cache_bytes_per_block()
-        if self.config.kv_cache_memory_bytes is not None:
-            budget = self.config.kv_cache_memory_bytes
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = self._profile_cuda_free_memory()
         else:
             budget = CPU_KV_CACHE_BYTES
         # never more blocks than max_num_seqs full-length sequences could use
-        cap = self.config.max_num_seqs * cdiv(self.config.max_model_len, self.block_size)
+        cap = (self.config.scheduler_config.max_num_seqs
+               * cdiv(self.config.model_config.max_model_len, self.block_size))
         return max(1, min(budget // per_block, cap))
 
     def _profile_cuda_free_memory(self) -> int:
@@ -130,16 +132,17 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.gpu_memory_utilization - peak - used_by_others)
+        return int(total * self.config.cache_config.gpu_memory_utilization - peak - used_by_others)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward over ``max_num_batched_tokens`` tokens with a throwaway KV cache."""
-        c = self.config.model_config
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        c = self.config.model_config.hf_config
+        n = min(self.config.scheduler_config.max_num_batched_tokens,
+                self.config.model_config.max_model_len)
         num_blocks = cdiv(n, self.block_size)
         dummy = torch.zeros(2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim,
-                            dtype=self.config.dtype, device=self.device)
+                            dtype=self.config.model_config.dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.kv_cache = dummy
         dev = self.device
@@ -154,21 +157,22 @@ class ModelRunner:
         meta = self.attention_backend.build_metadata(meta, self.block_size)
         hidden = self.model(torch.zeros(n, dtype=torch.int32, device=dev),
                             torch.arange(n, device=dev), meta)
-        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(n, self.config.scheduler_config.max_num_seqs):])
         for layer in self.model.attention_layers():
             layer.kv_cache = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        c = self.config.model_config
+        c = self.config.model_config.hf_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         # zeros, not empty: padded reads past a sequence's end must see finite values
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.config.model_config.dtype, device=self.device)
             for _ in range(c.num_hidden_layers)
         ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
-        if self.config.use_cuda_graph and self.attention_backend.supports_cuda_graph:
+        if (self.config.compilation_config.use_cuda_graph
+                and self.attention_backend.supports_cuda_graph):
             self.capture_model()
 
     def capture_model(self, capture: bool = True) -> None:
@@ -178,7 +182,8 @@ class ModelRunner:
         """
         c = self.config
         self.cuda_graphs = DecodeCudaGraphs(
-            self.model, c.max_num_seqs, c.max_model_len, input_ids=self.input_ids.gpu,
+            self.model, c.scheduler_config.max_num_seqs, c.model_config.max_model_len,
+            input_ids=self.input_ids.gpu,
             positions=self.positions.gpu, slot_mapping=self.slot_mapping.gpu,
             seq_lens=self.seq_lens.gpu, query_start_loc=self.query_start_loc.gpu,
             block_tables=self.input_batch.block_table.block_table, capture=capture)

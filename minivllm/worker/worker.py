@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from minivllm.config import EngineConfig
+from minivllm.config import DeviceConfig, EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.distributed import parallel_state
 
@@ -24,17 +24,17 @@ from minivllm.distributed import parallel_state
 class Worker:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.rank, self.world_size = 0, 1
-        if config.tensor_parallel_size > 1:
+        if config.parallel_config.tensor_parallel_size > 1:
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-            if config.device.type == "cuda":
+            if config.device_config.device.type == "cuda":
                 device = torch.device("cuda", local_rank)
                 torch.cuda.set_device(device)
-                config = dataclasses.replace(config, device=device)
+                config = dataclasses.replace(config, device_config=DeviceConfig(device))
             self.rank, self.world_size = parallel_state.init_distributed_environment(
-                device=config.device)
-            if self.world_size != config.tensor_parallel_size:
+                device=config.device_config.device)
+            if self.world_size != config.parallel_config.tensor_parallel_size:
                 raise RuntimeError(f"the process group has {self.world_size} ranks, but "
-                                   f"tensor_parallel_size is {config.tensor_parallel_size}")
+                                   f"tensor_parallel_size is {config.parallel_config.tensor_parallel_size}")
         self.config = config
         # imported here: the runner's model reads the rank and the world size as it is built
         from minivllm.worker.model_runner import ModelRunner
@@ -63,15 +63,16 @@ class Worker:
     def measure_all_reduce(self, num_tokens: int, repeats: int = 50, warmup: int = 5) -> dict:
         """Seconds of one all-reduce of ``[num_tokens, hidden]`` activations (median), as the
         row-parallel layers run it, and its bytes."""
-        c = self.config.model_config
-        x = torch.ones(num_tokens, c.hidden_size, dtype=self.config.dtype, device=self.config.device)
+        c = self.config.model_config.hf_config
+        x = torch.ones(num_tokens, c.hidden_size, dtype=self.config.model_config.dtype,
+                       device=self.config.device_config.device)
         times = []
         for _ in range(warmup + repeats):
-            if self.config.device.type == "cuda":
+            if self.config.device_config.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             parallel_state.tensor_model_parallel_all_reduce(x)
-            if self.config.device.type == "cuda":
+            if self.config.device_config.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         times = sorted(times[warmup:])

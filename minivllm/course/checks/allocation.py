@@ -250,7 +250,7 @@ ENGINE_SETTINGS = dict(enable_prefix_caching=False, num_kv_blocks=14, max_num_ba
 def _workload(seed: int):
     """(step, request id, prompt token ids, max_tokens): more than 14 blocks of 8 tokens hold."""
     rng = np.random.default_rng(seed)
-    vocab = check_engine().llm_engine.config.model_config.vocab_size
+    vocab = check_engine().llm_engine.config.model_config.hf_config.vocab_size
     arrivals, step = [], 0
     for i in range(8):
         prompt = rng.integers(10, vocab, int(rng.integers(3, 40))).tolist()

@@ -31,20 +31,23 @@ def _h(block_hash) -> str:
 
 def kv_cache_violations(scheduler) -> list[str]:
     """Every invariant the KV cache behind ``scheduler`` breaks right now (empty: none)."""
-    manager = scheduler.kv_cache_manager
-    pool = manager.block_pool
+    manager = scheduler.kv_cache_manager  # the package's KVCacheManager (no exercise replaces it)
+    pool = manager.block_pool  # the package's BlockPool, or exercise 6.2's
     problems = []
     running = {r.request_id for r in scheduler.running}
-    holding = {rid for rid, blocks in manager.req_to_blocks.items() if blocks}
+    tables = manager.block_ids_by_request()
+    holding = {rid for rid, ids in tables.items() if ids}
     if holding - running:
         problems.append(f"requests {sorted(holding - running)} hold KV blocks but are not running")
 
-    holders = Counter(b.block_id for blocks in manager.req_to_blocks.values() for b in blocks)
+    holders = Counter(i for ids in tables.values() for i in ids)
     for block in pool.blocks:
         if block.ref_cnt != holders.get(block.block_id, 0):
             problems.append(f"block {block.block_id} has ref_cnt {block.ref_cnt}, but "
                             f"{holders.get(block.block_id, 0)} live requests hold it")
 
+    # read through the free queue itself: exercise 6.2's pool is given that attribute (a
+    # FreeKVCacheBlockQueue) but not the reference pool's free_block_ids() view
     free = [b.block_id for b in pool.free_block_queue]
     twice = sorted(i for i, n in Counter(free).items() if n > 1)
     if twice:
@@ -78,11 +81,11 @@ def kv_cache_violations(scheduler) -> list[str]:
             problems.append(f"block {block.block_id} carries hash {_h(block.block_hash)}, but the "
                             "hash map does not send that hash to it")
 
-    for rid, blocks in manager.req_to_blocks.items():
+    for rid in tables:
         request = scheduler.requests.get(rid)
         if request is None:
             continue
-        for i, block in enumerate(blocks):
+        for i, block in enumerate(manager.get_blocks(rid)):
             if block.block_hash is None:
                 continue
             own = request.block_hashes[i] if i < len(request.block_hashes) else None
@@ -99,8 +102,9 @@ def all_free_violations(manager) -> list[str]:
     problems = []
     if used:
         problems.append(f"every request finished, but {used} KV blocks are still in use")
-    if any(manager.req_to_blocks.values()):
-        problems.append(f"every request finished, but {sorted(manager.req_to_blocks)} still hold blocks")
+    tables = manager.block_ids_by_request()
+    if any(tables.values()):
+        problems.append(f"every request finished, but {sorted(tables)} still hold blocks")
     return problems
 
 

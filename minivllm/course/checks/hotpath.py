@@ -361,7 +361,7 @@ def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> None:
 
     # the unpadded eager run: the same engine settings, plain-torch attention, no padding
     eager = [list(t) for t in _reference_tokens()]
-    llm = LLM(tiny_engine().llm_engine.config.model_path,
+    llm = LLM(tiny_engine().llm_engine.config.model_config.model_path,
               **{**ENGINE, "attention_backend": "triton"})
     runner = engine_core(llm).model_runner
     runner.capture_model(capture=False)  # the package's padded path, replaced below

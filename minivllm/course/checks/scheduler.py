@@ -116,6 +116,13 @@ PACKAGE_HELPERS = {
     "_preempt": "preemption (free the blocks, num_computed_tokens = 0, count it, put it at the "
                 "front of the waiting queue)",
 }
+# where the exercise has the learner write each of them (the methods the exercises define)
+LEARNER_METHODS = {
+    "schedule": "schedule()",
+    "_try_admit": "admit()",
+    "_allocate_or_preempt": "schedule()",
+    "_preempt": "preempt_request()",
+}
 
 
 class DelegationError(CheckFailed):
@@ -129,15 +136,19 @@ def without_package_policy(exercise: str, helpers: tuple[str, ...], called: list
     naming the helper. Yields the list of helpers that were called (``called``, if given)."""
     called = [] if called is None else called
     saved = []
-    allowed = "self.kv_cache_manager, self.record_admission" + (
-        "" if "_preempt" in helpers else ", self._preempt") + " and self.make_scheduler_output"
+    # 4.1 is given preemption's state change (the exercise's list names it); 5.1 writes it
+    allowed = "self.kv_cache_manager, self.record_admission, self.make_scheduler_output" + (
+        "" if "_preempt" in helpers else
+        " and the preemption step the exercise gives (a request taken out of self.running "
+        "gives its blocks back and waits at the front)")
 
     def unavailable(owner: type, name: str):
         def stub(self, *args, **kwargs):
             called.append(f"{owner.__name__}.{name}")
             raise DelegationError(
                 f"Exercise {exercise}: your scheduler called {owner.__name__}.{name}, the "
-                f"package's own {PACKAGE_HELPERS[name]}. The exercise is to write that yourself: "
+                f"package's own {PACKAGE_HELPERS[name]}. The exercise is to write that yourself, "
+                f"in your {LEARNER_METHODS[name]}: "
                 f"while it is graded, the package's scheduling helpers "
                 f"({', '.join(helpers)}) are unavailable. You may use {allowed}.")
         stub.__name__ = name
@@ -160,8 +171,9 @@ V1_HELPERS = ("schedule", "_try_admit", "_allocate_or_preempt", "_preempt")
 
 
 def _delegation_message(called: list[str]) -> str:
+    name = called[0].split(".")[1]
     return (f"your scheduler called {called[0]}, the package's own "
-            f"{PACKAGE_HELPERS[called[0].split('.')[1]]}: write it yourself.")
+            f"{PACKAGE_HELPERS[name]}: write it yourself, in your {LEARNER_METHODS[name]}.")
 
 
 def _run_learner(scheduler_cls: type, watch: "Watch", check_step, helpers) -> dict:

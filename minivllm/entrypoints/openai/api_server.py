@@ -138,7 +138,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "minivllm",
-             "root": engine.config.model_path, "max_model_len": engine.config.max_model_len}
+             "root": engine.config.model_config.model_path,
+             "max_model_len": engine.config.model_config.max_model_len}
             for name in served_model_names
         ]}
 
@@ -271,9 +272,9 @@ async def serve(args) -> None:
             shown = f"[{host}]" if ":" in host else host
             url = f"http://{shown}:{port}"
             cfg = engine.config
-            print(f"minivllm serve: {names[0]} on {cfg.device.type}, max_model_len "
-                  f"{cfg.max_model_len}, KV cache {engine.engine_core.num_kv_blocks} blocks of "
-                  f"{cfg.block_size} tokens", flush=True)
+            print(f"minivllm serve: {names[0]} on {cfg.device_config.device.type}, max_model_len "
+                  f"{cfg.model_config.max_model_len}, KV cache {engine.engine_core.num_kv_blocks} "
+                  f"blocks of {cfg.cache_config.block_size} tokens", flush=True)
             print(f"minivllm serve: OpenAI-compatible API at {url}/v1 "
                   f"(also {url}/health, {url}/metrics)", flush=True)
             print("minivllm serve: ready. Press Ctrl-C to stop.", flush=True)

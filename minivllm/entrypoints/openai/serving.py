@@ -90,7 +90,7 @@ class OpenAIServing:
         (default ``chat_completion_stream_generator``; the course plugs the learner's in)."""
         self.engine = engine
         self.served_model_names = served_model_names
-        self.max_model_len = engine.config.max_model_len
+        self.max_model_len = engine.config.model_config.max_model_len
         self.chat_stream = chat_stream or chat_completion_stream_generator
 
     # -- turning a request into engine inputs ----------------------------------------------
