@@ -279,7 +279,7 @@ ANSWERS = {
          "minivllm.model.layers:_rotate"],
         [r"\.pow\(2\)\.mean\(", r"rsqrt\(", r"(?s)repeat_interleave\(.*\.softmax\("]),
     2: (["minivllm.sample.sampler:Sampler.forward", "minivllm.sample.sampler:apply_top_k_top_p",
-         "minivllm.sample.sampler:apply_top_k", "minivllm.model.sequence:greedy_generate"],
+         "minivllm.sample.sampler:apply_top_k", "minivllm.model.standalone:greedy_generate"],
         [r"multinomial\(", r"(?s)single_sequence_metadata\(.*\.argmax\("]),
     3: (["minivllm.worker.block_table:compute_slot_mapping",
          "minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",

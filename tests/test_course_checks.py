@@ -201,7 +201,7 @@ def test_sampler_that_ignores_greedy_rows_fails():
 
 def _loop(mistake=None):
     from minivllm.attention.backend import get_attention_backend
-    from minivllm.model.sequence import greedy_generate, sequence_logits, single_sequence_metadata
+    from minivllm.model.standalone import greedy_generate, sequence_logits, single_sequence_metadata
 
     def generate_with_cache(model, ids, n, block_size=16):
         if mistake == "delegates":
@@ -235,7 +235,7 @@ def _loop(mistake=None):
 
 def test_greedy_generate_equals_recomputing_without_a_cache():
     from minivllm.course.checks.generation import _model
-    from minivllm.model.sequence import greedy_generate, sequence_logits
+    from minivllm.model.standalone import greedy_generate, sequence_logits
 
     model = _model()
     ids = list(range(300, 313))

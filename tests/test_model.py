@@ -5,7 +5,7 @@ import torch
 
 from minivllm.model.config import ModelConfig
 from minivllm.model.loader import load_model
-from minivllm.model.sequence import sequence_logits
+from minivllm.model.standalone import sequence_logits
 from tests.hf_reference import hf_logits
 
 # float32 on CPU: differences come only from the order of floating-point sums

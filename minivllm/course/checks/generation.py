@@ -12,7 +12,7 @@ forward pass the loop makes (its tokens and positions): exactly one prefill of t
 at positions 0..P-1, then one token per step at position P, P+1, ... Anything else (no cache,
 a prompt fed token by token, a wrong position) fails, saying which forward broke the rule.
 
-The package's own loop (``minivllm.model.sequence.greedy_generate``, which the chapter runs) is
+The package's own loop (``minivllm.model.standalone.greedy_generate``, which the chapter runs) is
 unavailable while it grades: a forward made from inside it fails, saying why.
 """
 
@@ -50,7 +50,7 @@ def _model():
 def _reference(model, prompt: list[int], n: int) -> list[int]:
     """The package's greedy tokens (its loop equals recomputing without a cache: tests and
     chapter 02 check it), computed before the learner's loop runs."""
-    from minivllm.model.sequence import greedy_generate
+    from minivllm.model.standalone import greedy_generate
 
     return greedy_generate(model, prompt, n)[0]
 
@@ -62,10 +62,10 @@ class _Recorder:
     def __init__(self, model, exercise: str) -> None:
         import inspect
 
-        from minivllm.model import sequence
+        from minivllm.model import standalone
 
         self.model, self.exercise, self.calls = model, exercise, []
-        self.package_code = inspect.unwrap(sequence.greedy_generate).__code__
+        self.package_code = inspect.unwrap(standalone.greedy_generate).__code__
         self.forward = model.forward
 
     def __call__(self, input_ids, positions, *args, **kwargs):
@@ -74,7 +74,7 @@ class _Recorder:
             if frame.f_code is self.package_code:
                 raise DelegationError(
                     f"Exercise {self.exercise}: your loop called "
-                    f"minivllm.model.sequence.greedy_generate, the package's own answer. The "
+                    f"minivllm.model.standalone.greedy_generate, the package's own answer. The "
                     f"exercise is to write that loop: while it is graded, the package's is "
                     f"unavailable. You may use single_sequence_metadata, get_attention_backend, "
                     f"model(...) and model.compute_logits.")

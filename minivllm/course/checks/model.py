@@ -17,7 +17,7 @@ from minivllm.course.checks.common import (
     PROMPT, bundled_model, close, compare_tensors, fail, passed,
 )
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
-from minivllm.model.sequence import sequence_logits
+from minivllm.model.standalone import sequence_logits
 
 LOGITS_ATOL = 1e-3  # float32 end to end: a correct component stays within ~1e-5
 

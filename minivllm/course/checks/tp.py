@@ -304,7 +304,7 @@ def emulated_logits(models: list, token_ids: list[int], block_size: int = 16,
     collectives in memory); every rank's gathered logits must agree, rank 0's are returned."""
     from minivllm.attention.backend import get_attention_backend
     from minivllm.model import parallel_layers
-    from minivllm.model.sequence import single_sequence_metadata
+    from minivllm.model.standalone import single_sequence_metadata
 
     tp = len(models)
     coll = collectives or _Collectives(tp)
