@@ -226,7 +226,7 @@ class EngineArgs:
                 "Raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill."
             )
 
-        backend, use_custom_ops = self._resolve_kernels(device)
+        backend, use_custom_ops = self.resolve_kernels(device)
 
         tp = self.tensor_parallel_size
         executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
@@ -297,7 +297,7 @@ class EngineArgs:
             model_runner_cls=_resolve_class("model_runner_cls", self.model_runner_cls),
         )
 
-    def _resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
+    def resolve_kernels(self, device: torch.device) -> tuple[str, bool]:
         """The one place that picks the attention backend and the elementwise kernels.
 
         Default: Triton on CUDA when triton is installed, plain torch elsewhere. Asking for

@@ -63,7 +63,7 @@ def rung_settings(flags: list[str], device: str = "cuda") -> dict:
     args = build_parser().parse_args(["serve", *flags])
     engine_args = EngineArgs.from_cli_args(args)
     dev = torch.device(device)
-    backend, fused = engine_args._resolve_kernels(dev)
+    backend, fused = engine_args.resolve_kernels(dev)
     return {"attention": backend, "fused_kernels": fused,
             "cuda_graphs": dev.type == "cuda" and not engine_args.enforce_eager,
             "engine_core": "own process" if engine_args.multiprocess else "server's process"}
