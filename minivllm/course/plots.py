@@ -1,6 +1,7 @@
 """Plot helpers shared by several chapters (matplotlib only; imported lazily): the KV block map
-by request (chapter 03), token timelines, TPOT distributions and scheduler ticks (chapters 04-05),
-and the KV block map by block state (chapter 06)."""
+by request (chapter 03), continuous batching's steps per request (chapter 04), token timelines,
+TPOT distributions and scheduler ticks (chapters 04-05), the KV block map by block state and
+prefix caching's three panels (chapter 06)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,34 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     if title:
         ax.set_title(title)
     return colors
+
+
+def draw_batching_timeline(ax, trace: list[dict], request_ids: list[str]) -> int:
+    """One row per request, one cell per engine step: orange a prefill, blue a decode, hatched
+    grey a step the request sat out while running (v0's prefill steps pause every decode).
+    Returns how many such paused cells there are."""
+    import matplotlib.pyplot as plt
+
+    steps_of = {rid: [t["step"] for t in trace if any(r == rid for r, _, _ in t["scheduled"])]
+                for rid in request_ids}
+    paused = 0
+    for row, rid in enumerate(request_ids):
+        for t in trace:
+            kind = next((k for r, _, k in t["scheduled"] if r == rid), None)
+            if kind is not None:
+                ax.barh(row, 1, left=t["step"] - 0.5, edgecolor="white",
+                        color="tab:orange" if kind == "prefill" else "tab:blue")
+            elif steps_of[rid] and steps_of[rid][0] < t["step"] < steps_of[rid][-1]:
+                ax.barh(row, 1, left=t["step"] - 0.5, color="0.85", edgecolor="white", hatch="///")
+                paused += 1
+    ax.set_yticks(range(len(request_ids)), request_ids)
+    ax.invert_yaxis()
+    ax.set_xlabel("engine step")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in
+                       (("tab:orange", ""), ("tab:blue", ""), ("0.85", "///"))],
+              labels=["prefill (whole prompt)", "decode (one token)", "running, but paused"],
+              loc="upper right", fontsize=8)
+    return paused
 
 
 def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float,
@@ -264,3 +293,43 @@ def draw_paged_tiles(ax, block_table: list[int], seq_len: int, block_size: int, 
     ax.set_yticks([0.4, 2.4])
     ax.set_yticklabels(["KV cache blocks\n(number: logical block)", f"the sequence's\n{seq_len} tokens"])
     ax.set_xticks([])
+
+
+def draw_prefix_caching_runs(runs: dict, num_prompts: int, shared: int, block_size: int,
+                             prompt_tokens: int):
+    """Chapter 06's three panels, for one run of ``bench shared-prefix`` (``run_once``) or
+    several side by side: mean time to first token; prompt tokens computed; KV blocks in use at
+    the peak. The last two are split into the system prompt's share (``shared`` tokens in each
+    of ``num_prompts`` prompts, ``prompt_tokens`` in all) and each chat's own.
+    ``runs``: {"prefix caching off" | "prefix caching on": run}. Returns (figure, axes)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    names = list(runs)
+    color = {"prefix caching off": "tab:red", "prefix caching on": "tab:green"}
+    ttft = [np.mean(r["ttfts_s"]) for r in runs.values()]
+    bars = axes[0].bar(names, ttft, color=[color[n] for n in names], width=0.5)
+    axes[0].bar_label(bars, [f"{t:.1f} s" for t in ttft])
+    axes[0].set_ylabel("mean time to first token (s)")
+    hits = [r["prefix_cache_hit_tokens"] for r in runs.values()]
+    system_tokens = [num_prompts * shared - h for h in hits]
+    system_blocks = [num_prompts * (shared // block_size) if h == 0 else shared // block_size
+                     for h in hits]
+    for ax, system, total, label in [
+        (axes[1], system_tokens, [prompt_tokens - h for h in hits], "prompt tokens computed"),
+        (axes[2], system_blocks, [r["peak_kv_blocks_used"] for r in runs.values()],
+         f"KV blocks in use at the peak ({block_size} tokens each)"),
+    ]:
+        ax.bar(names, system, color=[color[n] for n in names], width=0.5, label="the system prompt")
+        bars = ax.bar(names, [t - s for t, s in zip(total, system)], bottom=system, width=0.5,
+                      color=[color[n] for n in names], alpha=0.4, label="each chat's own")
+        ax.bar_label(bars, [f"{t:,}" for t in total])
+        ax.set_ylabel(label)
+        ax.legend(handles=[Patch(color="0.3", label="the system prompt"),
+                           Patch(color="0.3", alpha=0.4, label="each chat's own")],
+                  fontsize=8, loc="upper right")
+    for ax in axes:
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+    return fig, axes

@@ -34,6 +34,9 @@ def _stop_workers(state: dict) -> None:
             parallel_state.broadcast_object(("shutdown", (), None))
         except Exception:
             pass  # a rank is gone already
+        # leave the process group before the interpreter exits: a gloo group still alive at
+        # exit can abort the process ("terminate called without an active exception")
+        parallel_state.destroy_distributed_environment()
 
 
 class ExternalLauncherExecutor(Executor):
@@ -74,5 +77,6 @@ def run_worker_loop(config: EngineConfig) -> int:
     while True:
         method, args, _ = parallel_state.broadcast_object()
         if method == "shutdown":
+            worker.shutdown()  # leaves the process group
             return 0
         getattr(worker, method)(*args)
