@@ -193,7 +193,8 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
             if kind == "not_implemented":
                 raise NotImplementedError(text)
             hint = ""
-            if any(w in text.lower() for w in ("timed out", "timeout", "closed by peer")):
+            if any(w in text.lower() for w in ("timed out", "timeout", "closed by peer",
+                                               "reset by peer")):
                 hint = (" in a collective that the other rank never joined (it timed out, or "
                         "the other rank had finished): every rank must call all_reduce, the "
                         "same number of times, with a tensor of the same shape")
