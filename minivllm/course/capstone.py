@@ -382,14 +382,15 @@ def chat_and_documents(num_requests: int = 48, seed: int = 0, document_fraction:
     return ServingWorkload(tuple(requests), tuple(gaps), desc)
 
 
-def config_problem(config) -> str | None:
-    """Why ``config`` is not a choice of the three knobs (None if it is)."""
+def config_problem(config, knobs=KNOBS) -> str | None:
+    """Why ``config`` is not a choice of ``knobs`` (default: the three knobs), as ints in their
+    ranges (None if it is)."""
     if not isinstance(config, dict):
         return f"expected a dict, got {type(config).__name__}"
-    if set(config) != set(KNOBS):
-        return (f"expected exactly the keys {list(KNOBS)}, got {sorted(config)}")
+    if set(config) != set(knobs):
+        return (f"expected exactly the keys {list(knobs)}, got {sorted(config)}")
     lows = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0, "max_num_seqs": 1}
-    for key in KNOBS:
+    for key in knobs:
         v = config[key]
         if isinstance(v, bool) or not hasattr(v, "__index__"):
             return f"{key} must be an int, got {v!r}"

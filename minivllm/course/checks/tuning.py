@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from minivllm.course.capstone import chat_and_documents, simulate_at_rate
+from minivllm.course.capstone import chat_and_documents, config_problem, simulate_at_rate
 from minivllm.course.checks.common import fail, passed
 
 RATE = 16.0  # requests/s
@@ -64,18 +64,7 @@ def _show(budget: int, threshold: int) -> str:
 
 
 def _problem(choice) -> str | None:
-    if not isinstance(choice, dict):
-        return f"expected a dict, got {type(choice).__name__}"
-    if set(choice) != set(KEYS):
-        return f"expected exactly the keys {list(KEYS)}, got {sorted(choice)}"
-    lows = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0}
-    for key in KEYS:
-        v = choice[key]
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
-            return f"{key} must be an int, got {v!r}"
-        if not lows[key] <= int(v) <= 65536:
-            return f"{key} must be in [{lows[key]}, 65536], got {int(v)}"
-    return None
+    return config_problem(choice, KEYS)
 
 
 def check_chunking_choice(choice, exercise: str = "5.2") -> None:
