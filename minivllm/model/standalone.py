@@ -7,6 +7,8 @@ forward pass. The sequence gets its own little paged KV cache (blocks 0, 1, 2, .
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -36,6 +38,25 @@ def single_sequence_metadata(
     )
 
 
+@contextmanager
+def own_kv_cache(model, num_blocks: int, block_size: int, backend: AttentionBackend):
+    """While inside, every attention layer of ``model`` has a KV cache of its own of
+    ``num_blocks`` blocks (sized by the layer's own KV heads: a tensor-parallel rank's share)
+    and uses ``backend``; the layers' caches and backends are put back afterwards."""
+    param = next(model.parameters())
+    layers = model.attention_layers()
+    saved = [(layer.kv_cache, layer.backend) for layer in layers]
+    for layer in layers:
+        layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads,
+                                     layer.head_dim, dtype=param.dtype, device=param.device)
+        layer.backend = backend
+    try:
+        yield
+    finally:
+        for layer, (cache, be) in zip(layers, saved):
+            layer.kv_cache, layer.backend = cache, be
+
+
 @torch.inference_mode()
 def sequence_logits(
     model,
@@ -49,17 +70,10 @@ def sequence_logits(
     ``backend``: a backend name, or an ``AttentionBackend`` instance (how the course's checkers
     run a learner's attention inside the real model).
     """
-    config = model.config
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     num_blocks = cdiv(len(token_ids), block_size)
     impl = backend if isinstance(backend, AttentionBackend) else get_attention_backend(backend)
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    saved = [(layer.kv_cache, layer.backend) for layer in model.attention_layers()]
-    for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.backend = impl
-    try:
+    with own_kv_cache(model, num_blocks, block_size, impl):
         chunk = chunk_size or len(token_ids)
         logits = []
         for start in range(0, len(token_ids), chunk):
@@ -70,9 +84,6 @@ def sequence_logits(
             hidden = model(ids, torch.arange(start, end, device=device), meta)
             logits.append(model.compute_logits(hidden))
         return torch.cat(logits)
-    finally:
-        for layer, (cache, be) in zip(model.attention_layers(), saved):
-            layer.kv_cache, layer.backend = cache, be
 
 
 @torch.inference_mode()
@@ -88,19 +99,12 @@ def greedy_generate(
     """
     import time
 
-    config = model.config
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     num_blocks = cdiv(len(prompt_ids) + num_tokens, block_size)
     block_table = list(range(num_blocks))
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    saved = [(layer.kv_cache, layer.backend) for layer in model.attention_layers()]
-    for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.backend = get_attention_backend("torch")
     new_ids, seconds = [], []
     feed, start = list(prompt_ids), 0  # prefill: every prompt token
-    try:
+    with own_kv_cache(model, num_blocks, block_size, get_attention_backend("torch")):
         for _ in range(num_tokens):
             t0 = time.perf_counter()
             end = start + len(feed)
@@ -111,7 +115,4 @@ def greedy_generate(
             seconds.append(time.perf_counter() - t0)
             new_ids.append(next_id)
             feed, start = [next_id], end  # decode: only the token just chosen
-    finally:
-        for layer, (cache, be) in zip(model.attention_layers(), saved):
-            layer.kv_cache, layer.backend = cache, be
     return new_ids, seconds

@@ -303,30 +303,18 @@ def emulated_logits(models: list, token_ids: list[int], block_size: int = 16,
                     collectives: _Collectives | None = None) -> torch.Tensor:
     """Logits of one sequence through the rank models, run together (one thread per rank,
     collectives in memory); every rank's gathered logits must agree, rank 0's are returned."""
-    from minivllm.attention.backend import get_attention_backend
     from minivllm.model import parallel_layers
-    from minivllm.model.standalone import single_sequence_metadata
+    from minivllm.model.standalone import sequence_logits
 
     tp = len(models)
     coll = collectives or _Collectives(tp)
-    backend = get_attention_backend("torch")
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
     outputs: list = [None] * tp
     errors: list = []
 
     def run(rank: int) -> None:
         coll.local.rank = rank
         try:
-            model = models[rank]
-            for layer in model.attention_layers():
-                layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads,
-                                             layer.head_dim)
-                layer.backend = backend
-            meta = backend.build_metadata(single_sequence_metadata(
-                0, n, list(range(num_blocks)), block_size, "cpu"), block_size)
-            hidden = model(torch.tensor(token_ids), torch.arange(n), meta)
-            outputs[rank] = model.compute_logits(hidden)
+            outputs[rank] = sequence_logits(models[rank], token_ids, block_size=block_size)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
             coll.barrier.abort()
