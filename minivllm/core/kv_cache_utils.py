@@ -76,6 +76,6 @@ def update_block_hashes(request, block_size: int, algo: str = "sha256") -> list[
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
         block = tokens[i * block_size : (i + 1) * block_size]
-        extra = block_extra_keys(i, request.cache_salt) if i == 0 else None
+        extra = block_extra_keys(i, request.cache_salt)
         hashes.append(hash_fn(encode_block(parent, block, extra)))
     return hashes
