@@ -56,9 +56,44 @@ def gather_context(
     num_seqs = block_tables.shape[0]
     num_blocks = cdiv(num_tokens, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1)
-    # index_select copies whole blocks (contiguous memory): far faster than fancy indexing
-    ctx = torch.index_select(cache, 0, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
+    ctx = gather_blocks(cache, ids).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
     return ctx[:, :num_tokens]
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The blocks ``block_ids`` of a [num_blocks, block_size, kv_heads, d] cache, stacked:
+    [len(block_ids) * block_size, kv_heads, d]. One ``index_select`` of whole blocks, each a
+    row of contiguous memory: on a CPU about 3x faster than selecting from the 4-d tensor,
+    and far faster than fancy indexing. ``out``: a flat buffer to write into (at least that
+    many elements), so a step's many gathers reuse memory instead of allocating it afresh."""
+    if not cache.is_contiguous():  # a strided view (no flat rows to copy): the 4-d select
+        return cache.index_select(0, block_ids).flatten(0, 1)
+    flat = cache.view(cache.shape[0], -1)
+    if out is None:
+        rows = flat.index_select(0, block_ids)
+    else:
+        rows = out[: block_ids.shape[0] * flat.shape[1]].view(-1, flat.shape[1])
+        torch.index_select(flat, 0, block_ids, out=rows)
+    return rows.view(-1, *cache.shape[2:])
+
+
+class GatherWorkspace:
+    """Two flat buffers, for a group's gathered K and V, grown to the largest group seen and
+    reused by every layer and step (one layer's attention runs at a time). Writing into memory
+    already touched saves a CPU the page faults of fresh large allocations: in a decode step of
+    the bundled model at batch 40 that halved the time of a gather."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self.k is None or self.k.numel() < numel or self.k.dtype != like.dtype
+                or self.k.device != like.device):
+            self.k = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.v = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self.k, self.v
 
 
 # -- planning a step: which sequences are attended together ----------------------------------
@@ -170,16 +205,20 @@ def _make_group(seqs, query_start_loc, query_lens, seq_lens, block_tables, block
 
 
 def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
-                 out: torch.Tensor, sliding_window: int | None = None) -> None:
+                 out: torch.Tensor, sliding_window: int | None = None,
+                 workspace: GatherWorkspace | None = None) -> None:
     """One group's attention: gather its blocks once, one masked SDPA call, scatter results.
     A sliding-window layer uses the same call with a narrower mask (still reading the whole
-    context: simple, and exact)."""
+    context: simple, and exact). ``workspace``: where the gathered K/V go (else fresh memory)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     g, qp, L = group.num_seqs, group.query_pad, group.kv_len
     qg = q.index_select(0, group.query_index).view(g, qp, num_heads, head_dim).transpose(1, 2)
-    k = kv_cache[0].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, group.block_ids).view(g, L, num_kv_heads, head_dim)
+    kbuf = vbuf = None
+    if workspace is not None and not kv_cache.requires_grad:  # out= cannot carry a graph
+        kbuf, vbuf = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
+    k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads, head_dim)
+    v = gather_blocks(kv_cache[1], group.block_ids, vbuf).view(g, L, num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=group.mask_for(sliding_window), scale=scale,
                                        enable_gqa=True)
@@ -237,6 +276,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self.workspace = GatherWorkspace()  # one per engine (per runner): layers run in turn
+
     def build_metadata(self, metadata: AttentionMetadata, block_size: int) -> TorchAttentionMetadata:
         fields = {f: getattr(metadata, f) for f in AttentionMetadata.__dataclass_fields__}
         return TorchAttentionMetadata(**fields, groups=plan_groups(
@@ -254,5 +296,5 @@ class TorchAttentionBackend(AttentionBackend):
             metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in metadata.groups:
-            attend_group(q, kv_cache, group, scale, out, sliding_window)
+            attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
         return out

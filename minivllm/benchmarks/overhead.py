@@ -14,7 +14,9 @@ the running engine, so the same script measures any version of it):
 * output processing   — the front end's detokenization and ``RequestOutput`` building.
 
 Batches of 1, 64 and 256 requests (``--batch-sizes``) decode together; every part is averaged
-over ``--steps`` pure decode steps after a warm-up.
+over ``--steps`` pure decode steps after a warm-up. Each request's outputs are of
+``--output-kind`` (default ``delta``: what ``minivllm serve`` streams; ``final_only`` is what
+``LLM.generate`` and a non-streaming response use, ``cumulative`` the engine's step API).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--output-kind", choices=["delta", "cumulative", "final_only"],
+                   default="delta", help="what each step's outputs carry (default: delta, "
+                   "what the server streams)")
     p.add_argument("--json", default=None, help="write the figures to this file")
     add_engine_args(p)
     p.set_defaults(func=main)
@@ -82,15 +87,17 @@ def instrument(llm) -> StepClock:
 
 
 def measure_batch(llm, clock: StepClock, batch: int, steps: int, warmup: int,
-                  prompt_len: int, seed: int) -> dict:
+                  prompt_len: int, seed: int, output_kind: str = "delta") -> dict:
     import random
 
     from minivllm import SamplingParams
+    from minivllm.outputs import RequestOutputKind
 
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.config.model_config.hf_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True,
+                            output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(batch):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
@@ -141,11 +148,13 @@ def main(args) -> int:
     clock = instrument(llm)
     result = {"benchmark": "overhead", "machine": machine_info(),
               "model": "2-layer llama, hidden 64, vocab 512 (random weights)" if folder
-              else kwargs["model"], "steps": args.steps, "by_batch": {}}
+              else kwargs["model"], "steps": args.steps, "output_kind": args.output_kind,
+              "by_batch": {}}
+    print(f"outputs: {args.output_kind}")
     print(f"{'batch':>6} {'step':>8} " + " ".join(f"{p:>17}" for p in PARTS) + "   (ms per step)")
     for batch in args.batch_sizes:
         r = measure_batch(llm, clock, batch, args.steps, args.warmup_steps, args.prompt_len,
-                          args.seed)
+                          args.seed, args.output_kind)
         result["by_batch"][str(batch)] = r
         print(f"{batch:>6} {r['step']:8.2f} " + " ".join(f"{r[p]:17.2f}" for p in PARTS),
               flush=True)

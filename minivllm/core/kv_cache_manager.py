@@ -74,9 +74,15 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens (after any cache hit). None: no room."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        blocks = self.req_to_blocks.get(request.request_id)
+        if (blocks and not new_computed_blocks
+                and num_tokens_after <= len(blocks) * self.block_size
+                and (not self.enable_caching or num_tokens_after // self.block_size
+                     <= self.num_cached_blocks.get(request.request_id, 0))):
+            return []  # most decode steps: the token fits in the last block, which stays partial
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = cdiv(num_tokens_after, self.block_size) - len(blocks) - len(new_computed_blocks)
         # hit blocks nobody holds sit in the free queue: reviving them uses up free slots too
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -103,7 +103,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
     A stop token wins over the length limit when both hold ("stop" is the truer reason).
     """
-    if request.num_output_tokens >= request.min_tokens:
+    num_output = len(request.output_token_ids)
+    if num_output >= request.min_tokens:
         last = request.output_token_ids[-1]
         if last in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
@@ -112,8 +113,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    if len(request.all_token_ids) >= max_model_len or (
+        request.max_tokens is not None and num_output >= request.max_tokens
     ):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True

@@ -156,6 +156,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             self.stream.step(self.backend, token_id)
 
     def _decode_new(self, new_token_ids: list[int]) -> str:
+        if len(new_token_ids) == 1:  # a decode step: one token, no list to join
+            return self.stream.step(self.backend, new_token_ids[0]) or ""
         parts = []
         for token_id in new_token_ids:
             piece = self.stream.step(self.backend, token_id)

@@ -136,8 +136,12 @@ class OutputProcessor:
             m.first_scheduled_time = out.first_scheduled_time
         m.num_cached_tokens = out.num_cached_tokens
         m.num_preemptions = out.num_preemptions
-        if out.new_token_ids:
+        n = len(out.new_token_ids)
+        if n:
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp
             m.last_token_time = out.timestamp
-            m.token_times.extend([out.timestamp] * len(out.new_token_ids))
+            if n == 1:
+                m.token_times.append(out.timestamp)
+            else:
+                m.token_times.extend([out.timestamp] * n)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model.cpu_gemm import linear
 from minivllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -91,6 +92,10 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         super().__init__(input_size, divide(output_size, self.tp_size, "output size"), bias=bias)
+        self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self, x)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         n = param.shape[0]
@@ -143,13 +148,14 @@ class RowParallelLinear(nn.Linear):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         super().__init__(divide(input_size, self.tp_size, "input size"), output_size, bias=False)
+        self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         n = param.shape[1]
         _copy(param, loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return tensor_model_parallel_all_reduce(linear(self, x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -187,8 +193,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection split by vocabulary rows, like the embedding (and tied to it when
     the model ties them): each rank computes the logits of its vocabulary range."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(self, hidden)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 

@@ -30,6 +30,7 @@ import torch
 from minivllm.attention.backend import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from minivllm.model.cpu_gemm import pack_linear_weights, should_pack
 from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
@@ -66,6 +67,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model_path, model_config.hf_config, self.device,
                                 model_config.dtype, show_progress)
+        if should_pack(self.device, model_config.dtype, config.compilation_config.compile):
+            pack_linear_weights(self.model)  # oneDNN's layout, once (``model/cpu_gemm.py``)
         # this rank's KV heads (all of them without tensor parallelism)
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.attention_backend = get_attention_backend(config.compilation_config.attention_backend)
