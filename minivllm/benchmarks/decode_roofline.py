@@ -6,9 +6,10 @@ once). This benchmark runs ``--batch`` requests decoding together, their context
 ``--context-range`` tokens, and prints, per step:
 
 * the step's wall time;
-* the same step's matmuls alone (every linear layer and the lm_head at this batch, run as
-  plain ``F.linear`` calls on the model's own weights) and the GFLOP/s they reach: the
-  machine's limit for those shapes, measured in the same run. Their ratio is how close the
+* the same step's matmuls alone (every linear layer and the lm_head at this batch, each run
+  the way the engine runs it: ``cpu_gemm.linear``, through oneDNN's packed weight where the
+  engine packed one, else ``F.linear``) and the GFLOP/s they reach: the machine's limit for
+  those shapes, measured in the same run. Their ratio is how close the
   step comes to its matmuls (1.0: nothing else costs anything);
 * attention's time and share of the step, and its effective bandwidth: the bytes of K/V the
   step must read (each sequence's context, every layer, K and V) over attention's time,
@@ -66,12 +67,12 @@ def read_bandwidth(device, num_bytes: int = 512 << 20, repeats: int = 5) -> floa
 def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
     """Seconds and FLOPs of one step's linear layers (and lm_head) at ``batch`` tokens."""
     import torch
-    import torch.nn.functional as F
 
+    from minivllm.model.cpu_gemm import linear
     from minivllm.model.parallel_layers import ParallelLMHead
 
-    weights = [m.weight for m in model.modules()
-               if isinstance(m, (torch.nn.Linear, ParallelLMHead))]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, ParallelLMHead))]
+    weights = [m.weight for m in layers]
     dtype, device = weights[0].dtype, weights[0].device
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=device)
               for w in weights}
@@ -79,8 +80,8 @@ def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
 
     @torch.inference_mode()
     def run():
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for layer in layers:
+            linear(layer, inputs[layer.weight.shape[1]])
 
     return _median_time(run, repeats, device), flops
 

@@ -186,15 +186,19 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=[b.block_id for b in blocks],
                     num_computed_tokens=request.num_computed_tokens))
+                self._runner_blocks[rid] = (len(blocks), request.num_preemptions)
             else:
                 num_sent, num_preemptions = known
                 resumed = num_preemptions != request.num_preemptions
                 cached.req_ids.append(rid)
                 cached.resumed_from_preemption.append(resumed)
-                new_blocks = blocks if resumed else blocks[num_sent:]
-                cached.new_block_ids.append([b.block_id for b in new_blocks])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
-            self._runner_blocks[rid] = (len(blocks), request.num_preemptions)
+                if resumed or num_sent != len(blocks):
+                    new_blocks = blocks if resumed else blocks[num_sent:]
+                    cached.new_block_ids.append([b.block_id for b in new_blocks])
+                    self._runner_blocks[rid] = (len(blocks), request.num_preemptions)
+                else:  # most decode steps: no new block
+                    cached.new_block_ids.append([])
             out.num_scheduled_tokens[rid] = num_new
             total += num_new
             request.num_computed_tokens += num_new

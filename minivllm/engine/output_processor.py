@@ -40,7 +40,7 @@ class RequestState:
         return self.detokenizer.output_text if self.detokenizer is not None else ""
 
     def to_output(self) -> RequestOutput:
-        delta = self.params.output_kind == RequestOutputKind.DELTA
+        delta = self.params.output_kind is RequestOutputKind.DELTA
         finished = self.finish_reason is not None
         text = ""
         if self.detokenizer is not None:
@@ -50,22 +50,12 @@ class RequestState:
             self.num_sent_tokens = len(self.output_token_ids)
         else:
             token_ids = list(self.output_token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=self.metrics,
-            num_cached_tokens=self.metrics.num_cached_tokens,
-        )
+        # positional arguments: this runs once per request per step (the fields' order is
+        # CompletionOutput's and RequestOutput's, in outputs.py)
+        completion = CompletionOutput(0, text, token_ids, None, None, self.finish_reason,
+                                      self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finished, self.metrics, self.metrics.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -125,7 +115,7 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = out.timestamp
                 del self.requests[out.request_id]
-            if finished or state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 request_outputs.append(state.to_output())
         return request_outputs, to_abort
 
