@@ -55,11 +55,12 @@ def test_every_weight_packed_greedy_identical_to_transformers(tiny_models, famil
 
 def test_environment_variable_turns_packing_off(monkeypatch):
     cpu = torch.device("cpu")
-    assert cpu_gemm.should_pack(cpu, torch.float32, compile=False)
-    assert not cpu_gemm.should_pack(cpu, torch.float32, compile=True)
-    assert not cpu_gemm.should_pack(cpu, torch.bfloat16, compile=False)
+    monkeypatch.delenv(cpu_gemm.ENV, raising=False)
+    assert cpu_gemm.should_pack(cpu, torch.float32)
+    assert not cpu_gemm.should_pack(cpu, torch.bfloat16)
+    assert not cpu_gemm.should_pack(torch.device("meta"), torch.float32)
     monkeypatch.setenv(cpu_gemm.ENV, "torch")
-    assert not cpu_gemm.should_pack(cpu, torch.float32, compile=False)
+    assert not cpu_gemm.should_pack(cpu, torch.float32)
 
 
 def test_bundled_model_packs_its_large_weights(bundled_llm):

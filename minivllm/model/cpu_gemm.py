@@ -1,12 +1,13 @@
 """Linear layers on a CPU through oneDNN, with weights packed once at load time.
 
-``F.linear`` on a CPU hands every call to a BLAS ``sgemm`` that re-lays out (packs) the weight
-for its inner loops on every call. With the few rows of a decode step (one per running
-request) that repacking is most of the work: on the 2-core CPU this project is developed on,
-the 49,152 x 576 lm_head of SmolLM2-135M took about 85 ms for 40 rows, about 28 ms with the
-weight packed once (``python -m minivllm.model.cpu_gemm`` measures it on any machine).
+``F.linear`` on a CPU is slow for the few rows of a decode step (one per running request): on
+the 2-core CPU this project is developed on, the 49,152 x 576 lm_head of SmolLM2-135M took
+64-80 ms for 40 rows through ``F.linear`` and 22-26 ms through oneDNN with the weight packed
+once into oneDNN's own layout (two runs of ``python -m minivllm.model.cpu_gemm``, which times
+both ways on the bundled model's shapes on any machine). The gain is largest at 8-40 rows and
+small at 256.
 
-vLLM's CPU backend does the same (weights handed to oneDNN once, after loading). Here the
+vLLM's CPU backend likewise hands its layers' weights to oneDNN once, after loading. Here the
 packed copy sits beside the original weight, ``layer.packed_weight``; the layers'
 ``forward`` calls ``linear(layer, x)``, which uses it when it is there. Small weights stay
 with ``F.linear`` (``PACK_MIN_NUMEL``): below that size oneDNN's fixed cost per call outweighs
@@ -14,8 +15,9 @@ the gain. The results equal ``F.linear``'s up to float rounding (another summati
 greedy outputs could in principle differ in a near tie; the equivalence tests against
 transformers run with it (``tests/test_cpu_gemm.py`` packs a tiny model's every weight).
 
-Off (plain ``F.linear``) on other devices, under ``torch.compile`` (inductor does its own
-packing), without oneDNN, or with ``MINIVLLM_CPU_GEMM=torch`` in the environment.
+Off (plain ``F.linear``) on other devices, for other dtypes than float32, without oneDNN, or
+with ``MINIVLLM_CPU_GEMM=torch`` in the environment. (``compile=True`` compiles only the
+elementwise ops, so it packs too.)
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def should_pack(device: torch.device, dtype: torch.dtype, compile: bool) -> bool:
+def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the engine packs its linear weights (see the module docstring)."""
-    return (device.type == "cpu" and dtype == torch.float32 and not compile
+    return (device.type == "cpu" and dtype == torch.float32
             and os.environ.get(ENV, "onednn").lower() != "torch" and onednn_available())
 
 

@@ -67,7 +67,7 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model_path, model_config.hf_config, self.device,
                                 model_config.dtype, show_progress)
-        if should_pack(self.device, model_config.dtype, config.compilation_config.compile):
+        if should_pack(self.device, model_config.dtype):
             pack_linear_weights(self.model)  # oneDNN's layout, once (``model/cpu_gemm.py``)
         # this rank's KV heads (all of them without tensor parallelism)
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
