@@ -8,12 +8,13 @@ both ways on the bundled model's shapes on any machine). The gain is largest at 
 small at 256.
 
 vLLM's CPU backend likewise hands its layers' weights to oneDNN once, after loading. Here the
-packed copy sits beside the original weight, ``layer.packed_weight``; the layers'
-``forward`` calls ``linear(layer, x)``, which uses it when it is there. Small weights stay
-with ``F.linear`` (``PACK_MIN_NUMEL``): below that size oneDNN's fixed cost per call outweighs
-the gain. The results equal ``F.linear``'s up to float rounding (another summation order), so
-greedy outputs could in principle differ in a near tie; the equivalence tests against
-transformers run with it (``tests/test_cpu_gemm.py`` packs a tiny model's every weight).
+packed copy sits beside the original weight, ``layer.packed_weight``; the layers' ``forward``
+calls ``linear(layer, x)``, which uses it when it is there. Small weights stay with
+``F.linear`` (``PACK_MIN_NUMEL``): below that size oneDNN's fixed cost per call outweighs the
+gain. The copies cost memory (the bundled model: about 480 MiB more resident). The results
+equal ``F.linear``'s up to float rounding (another summation order), so greedy outputs could
+in principle differ in a near tie; the equivalence tests against transformers run with it
+(``tests/test_cpu_gemm.py`` packs a tiny model's every weight).
 
 Off (plain ``F.linear``) on other devices, for other dtypes than float32, without oneDNN, or
 with ``MINIVLLM_CPU_GEMM=torch`` in the environment. (``compile=True`` compiles only the
