@@ -39,7 +39,7 @@ PACK_MIN_NUMEL = 1 << 19
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ layer.weight.T (+ bias)``, through the packed weight when the layer has one."""
     bias = getattr(layer, "bias", None)
-    packed = layer.packed_weight
+    packed = getattr(layer, "packed_weight", None)  # a plain nn.Linear has no slot
     if packed is None:
         return F.linear(x, layer.weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
