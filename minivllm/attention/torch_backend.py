@@ -13,8 +13,9 @@ per layer, whatever the batch: the runner's metadata is planned once per step on
 (``build_metadata``) into a few *groups* of sequences with similar context lengths. Each group
 is one batched call — gather its blocks with one ``index_select`` per K and V, then
 ``scaled_dot_product_attention`` with a length/causal mask and ``enable_gqa`` (query heads share
-their KV head; K/V are never repeated) — so every layer reads each sequence's context once,
-padded only to its group's longest, and never waits for the host.
+their KV head; K/V are never repeated; a decode group folds the heads sharing a KV head into
+that head's queries) — so every layer reads each sequence's context once, padded only to its
+group's longest, and never waits for the host.
 """
 
 from __future__ import annotations
@@ -114,10 +115,25 @@ class AttentionGroup:
     # [num_seqs, 1, query_pad, 1] each query's position (0 for padding queries): what a
     # sliding-window layer narrows the mask with
     positions: torch.Tensor | None = None
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # built once per step
+    # masks built once per step (not once per layer): by sliding window, and additive ones
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    additive_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
-        """The full causal mask, or (sliding window w) only keys p - w < k <= p."""
+    def mask_for(self, sliding_window: int | None, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        """The full causal mask, or (sliding window w) only keys p - w < k <= p. With a
+        ``dtype``: the same mask as 0 (attend) / -inf (skip) of that dtype, what
+        ``scaled_dot_product_attention`` would otherwise convert a boolean mask into on every
+        call, that is in every layer."""
+        if dtype is not None:
+            key = (sliding_window, dtype)
+            mask = self.additive_masks.get(key)
+            if mask is None:
+                allowed = self.mask_for(sliding_window)
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                mask.masked_fill_(~allowed, float("-inf"))
+                self.additive_masks[key] = mask
+            return mask
         if sliding_window is None:
             return self.mask
         mask = self.window_masks.get(sliding_window)
@@ -219,10 +235,19 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
         kbuf, vbuf = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
     k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads, head_dim)
     v = gather_blocks(kv_cache[1], group.block_ids, vbuf).view(g, L, num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=group.mask_for(sliding_window), scale=scale,
-                                       enable_gqa=True)
-    o = o.transpose(1, 2).reshape(g * qp, num_heads, head_dim)
+    mask = group.mask_for(sliding_window, q.dtype)
+    if qp == 1:
+        # decodes: the query heads sharing a KV head become that head's queries (GQA folded
+        # into the query length), so each KV head's context is read once, not once per query
+        # head; the group's one mask row is every such query's
+        qg = qg.reshape(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale)
+        o = o.reshape(g, num_heads, head_dim)
+    else:
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g * qp, num_heads, head_dim)
     if group.real_queries is not None:
         o = o.index_select(0, group.real_queries)
     out.index_copy_(0, group.out_index, o.to(out.dtype))
