@@ -66,7 +66,7 @@ def test_sizes_that_do_not_fit_are_refused(peaked_models):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_each_rank_loads_its_slice(peaked_models, monkeypatch, tp):
+def test_each_rank_loads_its_slice(peaked_models, tp):
     """Built as rank r of tp (no process group needed to load), every sharded parameter holds
     rank r's rows or columns of the checkpoint: heads, KV heads (replicated at tp=4, which has
     more ranks than the llama preset's 2 KV heads), MLP features, vocabulary."""
@@ -83,10 +83,10 @@ def test_each_rank_loads_its_slice(peaked_models, monkeypatch, tp):
         [heads * d, kv * d, kv * d])
     inter = c.intermediate_size
     for rank in range(tp):
-        monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
-        monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
-        shard = dict(load_model(path, c, torch.device("cpu"), torch.float32, False)
-                     .named_parameters())
+        with parallel_state.patch_tensor_parallel_rank(rank, tp):
+            shard = dict(load_model(path, c, torch.device("cpu"), torch.float32, False)
+                         .named_parameters())
+        assert parallel_state.get_tensor_model_parallel_world_size() == 1  # restored
         hq = heads // tp
         kv_local, kv_first = max(1, kv // tp), rank * kv // tp  # kv=2: tp=2 -> 1 each; tp=4 -> shared
         q, k, v = shard["model.layers.0.self_attn.qkv_proj.weight"].split(
@@ -269,3 +269,18 @@ def test_killing_a_worker_fails_requests_in_flight_within_a_second(tp_server, pe
     time.sleep(0.5)
     left = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, left  # no process left behind
+
+
+def test_patched_rank_is_checked_and_restored():
+    from minivllm.distributed import parallel_state
+
+    with pytest.raises(ValueError, match="rank 2 is not one of 2"):
+        with parallel_state.patch_tensor_parallel_rank(2, 2):
+            pass
+    with pytest.raises(RuntimeError):
+        with parallel_state.patch_tensor_parallel_rank(1, 4):
+            assert parallel_state.get_tensor_model_parallel_rank() == 1
+            assert parallel_state.get_tensor_model_parallel_world_size() == 4
+            raise RuntimeError("a failing build")
+    assert parallel_state.get_tensor_model_parallel_rank() == 0
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1

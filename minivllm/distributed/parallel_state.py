@@ -16,6 +16,7 @@ collectives use the default group.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -63,6 +64,23 @@ def destroy_distributed_environment() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_RANK, _TP_SIZE, _CPU_GROUP = 0, 1, None
+
+
+@contextmanager
+def patch_tensor_parallel_rank(rank: int, world_size: int):
+    """Act as rank ``rank`` of ``world_size`` inside the block, without a process group: what
+    building every rank's shard of a model in one process needs (layers read the rank when
+    they are constructed). The collectives are not patched: running such shards together
+    needs collectives of its own (the course's tensor-parallel checks bring them)."""
+    global _TP_RANK, _TP_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, world_size
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved
 
 
 def cpu_group():

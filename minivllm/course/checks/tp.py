@@ -274,14 +274,10 @@ class _Collectives:
 @contextmanager
 def as_rank(rank: int, tp: int):
     """Build layers as rank ``rank`` of ``tp`` (they read the rank when constructed)."""
-    from minivllm.distributed import parallel_state
+    from minivllm.distributed.parallel_state import patch_tensor_parallel_rank
 
-    saved = parallel_state._TP_RANK, parallel_state._TP_SIZE
-    parallel_state._TP_RANK, parallel_state._TP_SIZE = rank, tp
-    try:
+    with patch_tensor_parallel_rank(rank, tp):
         yield
-    finally:
-        parallel_state._TP_RANK, parallel_state._TP_SIZE = saved
 
 
 def load_rank_models(path: str, tp: int) -> list:
