@@ -259,17 +259,11 @@ class Scheduler:
             if done:
                 stopped = True
                 self._free_request(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new_ids,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_preemptions=request.num_preemptions,
-                    first_scheduled_time=request.first_scheduled_time,
-                )
-            )
+            # positional (EngineCoreOutput's field order): once per request per step
+            outputs.append(EngineCoreOutput(
+                req_id, new_ids, request.status.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0), request.num_preemptions,
+                request.first_scheduled_time))
         if stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

@@ -114,9 +114,14 @@ class IncrementalDetokenizer:
         end = self.num_chars if finished else max(0, self.num_chars - self.hold_back)
         if not delta:
             return self.output_text[:end]
-        if end <= self.num_sent_chars:
+        unsent = end - self.num_sent_chars
+        if unsent <= 0:
             return ""
-        text = _tail(self.pieces, self.num_chars - self.num_sent_chars)[: end - self.num_sent_chars]
+        last = self.pieces[-1]
+        if end == self.num_chars and len(last) == unsent:  # most steps: exactly the last piece
+            text = last
+        else:
+            text = _tail(self.pieces, self.num_chars - self.num_sent_chars)[:unsent]
         self.num_sent_chars = end
         return text
 
