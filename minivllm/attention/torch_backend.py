@@ -33,6 +33,10 @@ from minivllm.utils import cdiv
 MAX_PADDING = 0.2
 MAX_DECODE_GROUPS = 4
 MAX_PREFILL_GROUPS = 4
+# decodes fold the query heads of a KV head into its queries from this many heads per KV head:
+# on a 2-core x86 CPU that was faster from 3 (1.1-1.7x per call, head_dim 64), and with 2 it
+# was slower for 256 sequences of head_dim 16-32 over 200-500 tokens
+FOLD_MIN_HEADS_PER_KV_HEAD = 3
 
 
 def write_to_kv_cache(
@@ -236,7 +240,7 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
     k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads, head_dim)
     v = gather_blocks(kv_cache[1], group.block_ids, vbuf).view(g, L, num_kv_heads, head_dim)
     mask = group.mask_for(sliding_window, q.dtype)
-    if qp == 1:
+    if qp == 1 and num_heads >= FOLD_MIN_HEADS_PER_KV_HEAD * num_kv_heads:
         # decodes: the query heads sharing a KV head become that head's queries (GQA folded
         # into the query length), so each KV head's context is read once, not once per query
         # head; the group's one mask row is every such query's
