@@ -226,6 +226,28 @@ def test_oversized_body_is_a_413_before_it_is_read(server):
 
 
 @pytest.mark.slow
+def test_a_prompt_that_fills_max_model_len_is_answered(server):
+    """64 prompt tokens on a server with --max-model-len 64 (what a fuzzed chat found: the
+    engine core used to die storing the token sampled after them)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        # max_tokens null: whatever fits (as a chat without max_tokens), here the one token
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={"prompt": list(range(100, 164)),
+                                                     "max_tokens": None, "stream": stream})
+            assert r.status_code == 200, r.text
+            if not stream:
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "length"
+                assert r.json()["usage"]["completion_tokens"] == 1
+            else:
+                assert '"finish_reason":"length"' in r.text.replace(" ", "")
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+@pytest.mark.slow
 def test_every_endpoint_fuzzed_from_the_openapi_schema(server):
     """schemathesis builds requests from the server's own schema (valid ones and, in negative
     mode, ones that break it): never a 5xx, for every operation."""

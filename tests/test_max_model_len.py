@@ -62,3 +62,20 @@ def test_rope_scaling_is_counted():
     cfg = ModelConfig.from_dict(base)
     cfg.rope_scaling = {"rope_type": "linear", "factor": 2.0}
     assert cfg.derived_max_model_len == 8192
+
+
+def test_a_prompt_of_exactly_max_model_len_tokens_gets_one_token(short_model):
+    """A context that fills max_model_len still samples the token after it (nothing is fed
+    back: the request then ends with "length"), and the engine keeps serving."""
+    llm = LLM(short_model, show_progress=False, max_model_len=24, max_num_batched_tokens=24)
+    full = {"prompt_token_ids": list(range(100, 124))}
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, max_tokens=5)):
+        out = llm.generate([full], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    # beside a request that keeps decoding, in the same steps
+    both = llm.generate([full, {"prompt_token_ids": [100, 101]}],
+                        SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in both] == [1, 6]
+    with pytest.raises(ValueError, match="longer than max_model_len"):
+        llm.generate([{"prompt_token_ids": list(range(100, 125))}], use_tqdm=False)
+    assert llm.llm_engine.get_stats()["kv_blocks_used"] == 0

@@ -50,7 +50,9 @@ class InputBatch:
         self.req_ids: list[str | None] = []  # row -> request id; None marks an empty row
         self.req_id_to_index: dict[str, int] = {}
 
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        # a row holds up to max_model_len tokens of context, plus the one token sampled after
+        # a context that fills it (a prompt of exactly max_model_len tokens still gets one)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs so far
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)

@@ -263,7 +263,7 @@ class ModelRunner:
         offsets = self.arange[:total] - np.repeat(cu - num_sched, num_sched)
         positions = self.positions.np[:total]
         np.add(batch.num_computed_tokens[req_indices], offsets, out=positions)
-        np.take(batch.token_ids.ravel(), positions + req_indices * batch.max_model_len,
+        np.take(batch.token_ids.ravel(), positions + req_indices * batch.token_ids.shape[1],
                 out=self.input_ids.np[:total])
         batch.block_table.compute_slot_mapping(req_indices, positions, self.slot_mapping.np[:total])
         qsl = self.query_start_loc.np
