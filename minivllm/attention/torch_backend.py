@@ -239,19 +239,18 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
         kbuf, vbuf = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
     k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads, head_dim)
     v = gather_blocks(kv_cache[1], group.block_ids, vbuf).view(g, L, num_kv_heads, head_dim)
-    mask = group.mask_for(sliding_window, q.dtype)
-    if qp == 1 and num_heads >= FOLD_MIN_HEADS_PER_KV_HEAD * num_kv_heads:
-        # decodes: the query heads sharing a KV head become that head's queries (GQA folded
-        # into the query length), so each KV head's context is read once, not once per query
-        # head; the group's one mask row is every such query's
+    # decodes: the query heads sharing a KV head become that head's queries (GQA folded into
+    # the query length), so each KV head's context is read once, not once per query head; the
+    # group's one mask row is every such query's
+    fold = qp == 1 and num_heads >= FOLD_MIN_HEADS_PER_KV_HEAD * num_kv_heads
+    if fold:
         qg = qg.reshape(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale)
-        o = o.reshape(g, num_heads, head_dim)
-    else:
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(g * qp, num_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=group.mask_for(sliding_window, q.dtype),
+                                       scale=scale, enable_gqa=not fold)
+    # [g, kv_heads, heads per kv head, d] folded, else [g, heads, query_pad, d]
+    o = o.reshape(g, num_heads, head_dim) if fold else (
+        o.transpose(1, 2).reshape(g * qp, num_heads, head_dim))
     if group.real_queries is not None:
         o = o.index_select(0, group.real_queries)
     out.index_copy_(0, group.out_index, o.to(out.dtype))
