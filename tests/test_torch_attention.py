@@ -1,6 +1,7 @@
 """The torch attention backend against attention written out densely, per sequence: every
-ratio of query heads to KV heads (the decode path folds them from three per KV head up), with
-and without a sliding window, decodes and prefill chunks in one step, and several groups."""
+ratio of query heads to KV heads (on a CPU in float32 decodes read value rows up to
+``ROWS_MAX_KV_HEADS`` KV heads; above it SDPA folds the query heads from three per KV head up),
+with and without a sliding window, decodes and prefill chunks in one step, and several groups."""
 
 import pytest
 import torch
@@ -41,27 +42,36 @@ def context(cache, table, i, n):
 
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_equals_dense_attention(heads_per_kv, window):
+@pytest.mark.parametrize("kv_heads", [1, 2, 5])
+def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypatch):
+    """Up to ``ROWS_MAX_KV_HEADS`` KV heads a CPU float32 decode takes the value-row path
+    (checked: it ran), above that the gather + SDPA path; both must equal dense attention."""
+    calls = []
+    by_rows = torch_backend.attend_decodes_by_rows
+    monkeypatch.setattr(torch_backend, "attend_decodes_by_rows",
+                        lambda *a, **k: calls.append(1) or by_rows(*a, **k))
     gen = torch.Generator().manual_seed(heads_per_kv)
-    kv_heads, d = 2, 8
+    d = 8
     seq_lens = [1, 3, 9, 17, 30, 31]  # varied enough for several groups
     cache, table = paged_case(gen, seq_lens, kv_heads, d)
     q = torch.randn(len(seq_lens), kv_heads * heads_per_kv, d, generator=gen)
     out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens), 0.3,
                                  sliding_window=window)
+    assert bool(calls) == (kv_heads <= torch_backend.ROWS_MAX_KV_HEADS)
     for i, n in enumerate(seq_lens):
         keys, values = context(cache, table, i, n)
         torch.testing.assert_close(out[i:i + 1], dense(q[i:i + 1], keys, values, [n - 1], 0.3, window))
 
 
 @pytest.mark.parametrize("heads_per_kv", [2, 3])
-def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, monkeypatch):
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
     """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
     cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
     so that the decodes split into groups."""
     monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
     gen = torch.Generator().manual_seed(7)
-    kv_heads, d, bs = 1, 16, 4
+    d, bs = 16, 4
     heads = kv_heads * heads_per_kv
     query_lens = [1, 1, 1, 5, 3]
     seq_lens = [6, 13, 2, 5, 11]

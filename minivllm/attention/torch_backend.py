@@ -16,6 +16,11 @@ is one batched call — gather its blocks with one ``index_select`` per K and V,
 their KV head; K/V are never repeated; a decode group folds the heads sharing a KV head into
 that head's queries) — so every layer reads each sequence's context once, padded only to its
 group's longest, and never waits for the host.
+
+On a CPU in float32 a decode group skips the value gather and SDPA
+(``attend_decodes_by_rows``): the scores come from one batched matmul with the gathered keys,
+and the probability-weighted sum of value rows is read straight out of the cache by
+``F.embedding_bag``, which takes row indices and per-row weights.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ MAX_PREFILL_GROUPS = 4
 # on a 2-core x86 CPU that was faster from 3 (1.1-1.7x per call, head_dim 64), and with 2 it
 # was slower for 256 sequences of head_dim 16-32 over 200-500 tokens
 FOLD_MIN_HEADS_PER_KV_HEAD = 3
+# decodes on a CPU in float32 take the gather-free value path (``attend_decodes_by_rows``) up
+# to this many KV heads: its key product multiplies every query head with every KV head's
+# slice of a key row (a block-diagonal query), so its arithmetic grows with the KV heads
+ROWS_MAX_KV_HEADS = 4
 
 
 def write_to_kv_cache(
@@ -122,6 +131,24 @@ class AttentionGroup:
     # masks built once per step (not once per layer): by sliding window, and additive ones
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     additive_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    value_rows_by_heads: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def value_rows(self, num_kv_heads: int, heads_per_kv_head: int, block_size: int
+                   ) -> torch.Tensor:
+        """[num_seqs * heads, kv_len]: for each sequence and query head, the row of the value
+        cache viewed as [slots * kv_heads, head_dim] holding each context token's value for
+        that head's KV head (row = slot * kv_heads + kv_head). Built once per step."""
+        key = (num_kv_heads, heads_per_kv_head, block_size)
+        rows = self.value_rows_by_heads.get(key)
+        if rows is None:
+            g, L = self.num_seqs, self.kv_len
+            offsets = torch.arange(block_size, device=self.block_ids.device)
+            slots = (self.block_ids.view(g, -1, 1).long() * block_size + offsets).view(g, 1, 1, L)
+            kv = torch.arange(num_kv_heads, device=slots.device).view(1, -1, 1, 1)
+            rows = (slots * num_kv_heads + kv).expand(g, num_kv_heads, heads_per_kv_head, L)
+            rows = self.value_rows_by_heads[key] = rows.reshape(-1, L)
+        return rows
 
     def mask_for(self, sliding_window: int | None, dtype: torch.dtype | None = None
                  ) -> torch.Tensor:
@@ -233,6 +260,9 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[-2]
     g, qp, L = group.num_seqs, group.query_pad, group.kv_len
+    if (qp == 1 and q.device.type == "cpu" and q.dtype == torch.float32
+            and num_kv_heads <= ROWS_MAX_KV_HEADS):
+        return attend_decodes_by_rows(q, kv_cache, group, scale, out, sliding_window, workspace)
     qg = q.index_select(0, group.query_index).view(g, qp, num_heads, head_dim).transpose(1, 2)
     kbuf = vbuf = None
     if workspace is not None and not kv_cache.requires_grad:  # out= cannot carry a graph
@@ -254,6 +284,52 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
     if group.real_queries is not None:
         o = o.index_select(0, group.real_queries)
     out.index_copy_(0, group.out_index, o.to(out.dtype))
+
+
+def attend_decodes_by_rows(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
+                           scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                           workspace: GatherWorkspace | None = None) -> None:
+    """A decode group's attention reading the values straight from the cache.
+
+    The keys are gathered as in ``attend_group`` and multiplied with the queries in one batched
+    matmul; then each head's output, the sum of its context's value rows weighted by their
+    softmax probabilities, is exactly what ``F.embedding_bag(mode="sum", per_sample_weights=)``
+    computes from a table of rows (the value cache) and their indices (``value_rows``). So the
+    values are never copied out of their blocks (docs/hot_path.md has the measured gain).
+
+    The key product is batched over the group's sequences with a block-diagonal query (head h's
+    vector sits in its KV head's part of a [kv_heads * d] row, zeros elsewhere), so it reads the
+    gathered keys as they lie, at the price of kv_heads times the multiply-adds: hence
+    ``ROWS_MAX_KV_HEADS``."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    g, L = group.num_seqs, group.kv_len
+    qg = q.index_select(0, group.query_index)  # [g, heads, d]
+    if num_kv_heads > 1:  # block-diagonal: head h meets only its KV head's part of a key row
+        qg = (qg.view(g, num_kv_heads, per_kv, 1, head_dim) * _eye(num_kv_heads, q)).view(
+            g, num_heads, num_kv_heads * head_dim)
+    kbuf = None
+    if workspace is not None and not kv_cache.requires_grad:
+        kbuf, _ = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
+    k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads * head_dim)
+    mask = group.mask_for(sliding_window, q.dtype).view(g, 1, L)
+    probs = torch.softmax(torch.baddbmm(mask, qg, k.transpose(1, 2), alpha=scale), dim=-1)
+    o = F.embedding_bag(group.value_rows(num_kv_heads, per_kv, block_size),
+                        kv_cache[1].reshape(-1, head_dim), mode="sum",
+                        per_sample_weights=probs.view(-1, L))
+    out.index_copy_(0, group.out_index, o.view(g, num_heads, head_dim).to(out.dtype))
+
+
+_EYES: dict[tuple, torch.Tensor] = {}
+
+
+def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
+    """[1, n, 1, n, 1]: multiplies [g, kv_heads, per_kv, 1, d] queries into block-diagonal ones."""
+    key = (n, like.dtype, like.device)
+    if key not in _EYES:
+        _EYES[key] = torch.eye(n, dtype=like.dtype, device=like.device).view(1, n, 1, n, 1)
+    return _EYES[key]
 
 
 # -- the reference functions, one call = one group -------------------------------------------
