@@ -102,3 +102,20 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
                                    dense(q[lo:lo + ql], keys, values, positions[lo:lo + ql], 0.25))
         # the backend wrote this step's keys/values where the slots say
         torch.testing.assert_close(keys[n - ql:], k[lo:lo + ql])
+
+
+def test_decode_after_an_inference_mode_step_still_carries_gradients(monkeypatch):
+    """The engine attends under ``torch.inference_mode``; the course's standalone models attend
+    with autograd on, in the same process: nothing the first call keeps may break the second."""
+    monkeypatch.setattr(torch_backend, "_EYES", {})  # as in a fresh process
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, d, seq_lens = 3, 8, [5, 12]
+    cache, table = paged_case(gen, seq_lens, kv_heads, d)
+    q = torch.randn(len(seq_lens), kv_heads * 3, d, generator=gen)
+    with torch.inference_mode():
+        paged_decode_attention(q.clone(), cache.clone(), table, torch.tensor(seq_lens), 0.3)
+    cache.requires_grad_(True)
+    q.requires_grad_(True)
+    out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens), 0.3)
+    out.sum().backward()
+    assert q.grad is not None and cache.grad is not None and cache.grad.abs().sum() > 0

@@ -328,7 +328,10 @@ def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
     """[1, n, 1, n, 1]: multiplies [g, kv_heads, per_kv, 1, d] queries into block-diagonal ones."""
     key = (n, like.dtype, like.device)
     if key not in _EYES:
-        _EYES[key] = torch.eye(n, dtype=like.dtype, device=like.device).view(1, n, 1, n, 1)
+        # a normal tensor even when first made in an engine step (under inference mode): the
+        # course's standalone models run this with autograd on, and may reuse it
+        with torch.inference_mode(False):
+            _EYES[key] = torch.eye(n, dtype=like.dtype, device=like.device).view(1, n, 1, n, 1)
     return _EYES[key]
 
 
