@@ -119,3 +119,19 @@ def test_decode_after_an_inference_mode_step_still_carries_gradients(monkeypatch
     out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens), 0.3)
     out.sum().backward()
     assert q.grad is not None and cache.grad is not None and cache.grad.abs().sum() > 0
+
+
+def test_decode_over_a_strided_cache_equals_the_contiguous_one():
+    """A cache that is a strided view (here every other block of a larger one) cannot be read
+    as flat value rows: the backend takes the gather + SDPA path, with the same result."""
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, d, seq_lens = 2, 8, [3, 14, 9]
+    cache, table = paged_case(gen, seq_lens, kv_heads, d)
+    wide = torch.zeros(2, cache.shape[1] * 2, *cache.shape[2:])
+    wide[:, ::2] = cache
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    q = torch.randn(len(seq_lens), kv_heads * 3, d, generator=gen)
+    lens = torch.tensor(seq_lens)
+    torch.testing.assert_close(paged_decode_attention(q, strided, table, lens, 0.3),
+                               paged_decode_attention(q, cache, table, lens, 0.3))

@@ -261,7 +261,7 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
     num_kv_heads = kv_cache.shape[-2]
     g, qp, L = group.num_seqs, group.query_pad, group.kv_len
     if (qp == 1 and q.device.type == "cpu" and q.dtype == torch.float32
-            and num_kv_heads <= ROWS_MAX_KV_HEADS):
+            and num_kv_heads <= ROWS_MAX_KV_HEADS and kv_cache.is_contiguous()):
         return attend_decodes_by_rows(q, kv_cache, group, scale, out, sliding_window, workspace)
     qg = q.index_select(0, group.query_index).view(g, qp, num_heads, head_dim).transpose(1, 2)
     kbuf = vbuf = None
@@ -316,7 +316,7 @@ def attend_decodes_by_rows(q: torch.Tensor, kv_cache: torch.Tensor, group: Atten
     mask = group.mask_for(sliding_window, q.dtype).view(g, 1, L)
     probs = torch.softmax(torch.baddbmm(mask, qg, k.transpose(1, 2), alpha=scale), dim=-1)
     o = F.embedding_bag(group.value_rows(num_kv_heads, per_kv, block_size),
-                        kv_cache[1].reshape(-1, head_dim), mode="sum",
+                        kv_cache[1].view(-1, head_dim), mode="sum",
                         per_sample_weights=probs.view(-1, L))
     out.index_copy_(0, group.out_index, o.view(g, num_heads, head_dim).to(out.dtype))
 
