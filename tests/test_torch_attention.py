@@ -121,9 +121,13 @@ def test_decode_after_an_inference_mode_step_still_carries_gradients(monkeypatch
     assert q.grad is not None and cache.grad is not None and cache.grad.abs().sum() > 0
 
 
-def test_decode_over_a_strided_cache_equals_the_contiguous_one():
+def test_decode_over_a_strided_cache_equals_the_contiguous_one(monkeypatch):
     """A cache that is a strided view (here every other block of a larger one) cannot be read
     as flat value rows: the backend takes the gather + SDPA path, with the same result."""
+    strided_calls = []
+    by_rows = torch_backend.attend_decodes_by_rows
+    monkeypatch.setattr(torch_backend, "attend_decodes_by_rows", lambda q, kv_cache, *a, **k: (
+        strided_calls.append(not kv_cache.is_contiguous()) or by_rows(q, kv_cache, *a, **k)))
     gen = torch.Generator().manual_seed(5)
     kv_heads, d, seq_lens = 2, 8, [3, 14, 9]
     cache, table = paged_case(gen, seq_lens, kv_heads, d)
@@ -135,3 +139,4 @@ def test_decode_over_a_strided_cache_equals_the_contiguous_one():
     lens = torch.tensor(seq_lens)
     torch.testing.assert_close(paged_decode_attention(q, strided, table, lens, 0.3),
                                paged_decode_attention(q, cache, table, lens, 0.3))
+    assert strided_calls and not any(strided_calls)  # value rows for the contiguous one only
