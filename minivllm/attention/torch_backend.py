@@ -110,6 +110,15 @@ class GatherWorkspace:
         return self.k, self.v
 
 
+def gather_buffers(workspace: GatherWorkspace | None, numel: int, kv_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Where a group's gathered K and V go: the workspace's buffers, or (None, None) for fresh
+    memory when there is no workspace or the cache carries a graph (``out=`` cannot)."""
+    if workspace is None or kv_cache.requires_grad:
+        return None, None
+    return workspace.buffers(numel, kv_cache)
+
+
 # -- planning a step: which sequences are attended together ----------------------------------
 
 @dataclass
@@ -264,9 +273,7 @@ def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
             and num_kv_heads <= ROWS_MAX_KV_HEADS and kv_cache.is_contiguous()):
         return attend_decodes_by_rows(q, kv_cache, group, scale, out, sliding_window, workspace)
     qg = q.index_select(0, group.query_index).view(g, qp, num_heads, head_dim).transpose(1, 2)
-    kbuf = vbuf = None
-    if workspace is not None and not kv_cache.requires_grad:  # out= cannot carry a graph
-        kbuf, vbuf = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
+    kbuf, vbuf = gather_buffers(workspace, g * L * num_kv_heads * head_dim, kv_cache)
     k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads, head_dim)
     v = gather_blocks(kv_cache[1], group.block_ids, vbuf).view(g, L, num_kv_heads, head_dim)
     # decodes: the query heads sharing a KV head become that head's queries (GQA folded into
@@ -309,9 +316,7 @@ def attend_decodes_by_rows(q: torch.Tensor, kv_cache: torch.Tensor, group: Atten
     if num_kv_heads > 1:  # block-diagonal: head h meets only its KV head's part of a key row
         qg = (qg.view(g, num_kv_heads, per_kv, 1, head_dim) * _eye(num_kv_heads, q)).view(
             g, num_heads, num_kv_heads * head_dim)
-    kbuf = None
-    if workspace is not None and not kv_cache.requires_grad:
-        kbuf, _ = workspace.buffers(g * L * num_kv_heads * head_dim, kv_cache)
+    kbuf, _ = gather_buffers(workspace, g * L * num_kv_heads * head_dim, kv_cache)
     k = gather_blocks(kv_cache[0], group.block_ids, kbuf).view(g, L, num_kv_heads * head_dim)
     mask = group.mask_for(sliding_window, q.dtype).view(g, 1, L)
     probs = torch.softmax(torch.baddbmm(mask, qg, k.transpose(1, 2), alpha=scale), dim=-1)
