@@ -68,4 +68,5 @@ def test_bundled_model_packs_its_large_weights(bundled_llm):
     assert model.lm_head.packed_weight is not None
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.packed_weight is not None
-    assert layer.self_attn.o_proj.packed_weight is None  # 576 x 576: below PACK_MIN_NUMEL
+    assert layer.self_attn.o_proj.packed_weight is not None  # 576 x 576, at PACK_MIN_NUMEL
+    assert layer.input_layernorm.weight.numel() < cpu_gemm.PACK_MIN_NUMEL

@@ -60,3 +60,16 @@ def test_kernels_import_from_a_checkout_without_installing():
     assert out.returncode == 0, out.stderr
     assert os.path.realpath(out.stdout.strip()) == os.path.join(
         os.path.realpath(ROOT), "kernels", "decode_attention.py")
+
+
+def test_a_built_wheel_carries_the_c_kernel_source(tmp_path):
+    """minivllm/attention/cpu_decode.c is compiled where minivllm runs, so a wheel must ship it."""
+    import subprocess
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "-w", str(tmp_path), ROOT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel, = tmp_path.glob("minivllm-*.whl")
+    assert "minivllm/attention/cpu_decode.c" in zipfile.ZipFile(wheel).namelist()

@@ -1,12 +1,14 @@
-"""The torch attention backend against attention written out densely, per sequence: every
-ratio of query heads to KV heads (on a CPU in float32 decodes read value rows up to
-``ROWS_MAX_KV_HEADS`` KV heads; above it SDPA folds the query heads from three per KV head up),
-with and without a sliding window, decodes and prefill chunks in one step, and several groups."""
+"""The torch attention backend's torch paths against attention written out densely, per
+sequence: every ratio of query heads to KV heads (on a CPU in float32 decodes read value rows
+up to ``ROWS_MAX_KV_HEADS`` KV heads; above it SDPA folds the query heads from three per KV head
+up), with and without a sliding window, decodes and prefill chunks in one step, and several
+groups. (In an engine on a CPU, decodes go to the C kernel when it builds:
+tests/test_cpu_decode.py.)"""
 
 import pytest
 import torch
 
-from minivllm.attention import torch_backend
+from minivllm.attention import cpu_decode, torch_backend
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, paged_decode_attention
 
@@ -68,8 +70,10 @@ def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypat
 def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
     """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
     cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
-    so that the decodes split into groups."""
+    so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_decode.py
+    runs this step through it)."""
     monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
+    monkeypatch.setenv(cpu_decode.ENV, "torch")
     gen = torch.Generator().manual_seed(7)
     d, bs = 16, 4
     heads = kv_heads * heads_per_kv
@@ -93,7 +97,7 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
         query_start_loc_cpu=qsl.numpy(), seq_lens_cpu=torch.tensor(seq_lens).numpy())
     backend = TorchAttentionBackend()
     planned = backend.build_metadata(meta, bs)
-    assert len(planned.groups) >= 3  # the decodes alone, unpadded, make more than one group
+    assert len(planned.decode_groups()) >= 2  # the decodes alone, unpadded, make several
     out = backend.forward(q, k, v, cache, planned, 0.25)
     for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
         keys, values = context(cache, table, i, n)

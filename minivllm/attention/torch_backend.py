@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minivllm.attention import cpu_decode
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
 from minivllm.utils import cdiv
 
@@ -186,7 +187,18 @@ class AttentionGroup:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    groups: list[AttentionGroup] = field(default_factory=list)
+    groups: list[AttentionGroup] = field(default_factory=list)  # the prefill chunks'
+    block_size: int = 0
+    _decode_groups: list[AttentionGroup] | None = None
+
+    def decode_groups(self) -> list[AttentionGroup]:
+        """The decodes' groups, planned on first use: a step whose decodes all go to the CPU
+        kernel (``cpu_decode``) never plans them."""
+        if self._decode_groups is None:
+            self._decode_groups = plan_groups(
+                self.query_start_loc_cpu, self.seq_lens_cpu, self.num_decodes,
+                self.block_tables, self.block_size, prefills=False)
+        return self._decode_groups
 
 
 def split_sorted(costs: np.ndarray, exact: float, padded_cost, max_groups: int) -> list[np.ndarray]:
@@ -202,17 +214,19 @@ def split_sorted(costs: np.ndarray, exact: float, padded_cost, max_groups: int) 
 
 def plan_groups(
     query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decodes: int,
-    block_tables: torch.Tensor, block_size: int,
+    block_tables: torch.Tensor, block_size: int, decodes: bool = True, prefills: bool = True,
 ) -> list[AttentionGroup]:
-    """Group the step's sequences (decodes first, then prefill chunks) for batched attention."""
+    """Group the step's sequences (decodes first, then prefill chunks) for batched attention;
+    ``decodes`` / ``prefills`` False leaves those out."""
     device = block_tables.device
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     query_lens = np.diff(query_start_loc)
     groups = []
-    for lo, hi, max_groups in ((0, num_decodes, MAX_DECODE_GROUPS),
-                               (num_decodes, len(seq_lens), MAX_PREFILL_GROUPS)):
-        if hi <= lo:
+    for lo, hi, max_groups, wanted in (
+            (0, num_decodes, MAX_DECODE_GROUPS, decodes),
+            (num_decodes, len(seq_lens), MAX_PREFILL_GROUPS, prefills)):
+        if hi <= lo or not wanted:
             continue
         seqs = lo + np.argsort(seq_lens[lo:hi], kind="stable")
         q_lens, s_lens = query_lens[seqs], seq_lens[seqs]
@@ -393,9 +407,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, metadata: AttentionMetadata, block_size: int) -> TorchAttentionMetadata:
         fields = {f: getattr(metadata, f) for f in AttentionMetadata.__dataclass_fields__}
-        return TorchAttentionMetadata(**fields, groups=plan_groups(
-            metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_decodes,
-            metadata.block_tables, block_size))
+        if fields["query_start_loc_cpu"] is None:  # built by hand: the host copies from these
+            fields["query_start_loc_cpu"] = metadata.query_start_loc.cpu().numpy()
+            fields["seq_lens_cpu"] = metadata.seq_lens.cpu().numpy()
+        return TorchAttentionMetadata(**fields, block_size=block_size, groups=plan_groups(
+            fields["query_start_loc_cpu"], fields["seq_lens_cpu"], metadata.num_decodes,
+            metadata.block_tables, block_size, decodes=False))
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: int | None = None):
@@ -407,6 +424,12 @@ class TorchAttentionBackend(AttentionBackend):
         if not isinstance(metadata, TorchAttentionMetadata):  # not planned (called directly)
             metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
+        d = metadata.num_decodes
+        if d and not (cpu_decode.can_run(q, kv_cache) and cpu_decode.paged_decode(
+                q[:d], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:d],
+                sliding_window)):
+            for group in metadata.decode_groups():
+                attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
         for group in metadata.groups:
             attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
         return out

@@ -11,10 +11,11 @@ vLLM's CPU backend likewise hands its layers' weights to oneDNN once, after load
 packed copy sits beside the original weight, ``layer.packed_weight``; the layers' ``forward``
 calls ``linear(layer, x)``, which uses it when it is there. Small weights stay with
 ``F.linear`` (``PACK_MIN_NUMEL``): below that size oneDNN's fixed cost per call outweighs the
-gain. The copies cost memory (the bundled model: about 480 MiB more resident). The results
-equal ``F.linear``'s up to float rounding (another summation order), so greedy outputs could
-in principle differ in a near tie; the equivalence tests against transformers run with it
-(``tests/test_cpu_gemm.py`` packs a tiny model's every weight).
+gain. The copies cost memory (the bundled model: about 480 MiB more resident, measured before
+its o_proj weights were packed too; those add 38 MiB). The results equal ``F.linear``'s up to
+float rounding (another summation order), so greedy outputs could in principle differ in a
+near tie; the equivalence tests against transformers run with it (``tests/test_cpu_gemm.py``
+packs a tiny model's every weight).
 
 Off (plain ``F.linear``) on other devices, for other dtypes than float32, without oneDNN, or
 with ``MINIVLLM_CPU_GEMM=torch`` in the environment. (``compile=True`` compiles only the
@@ -30,10 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 ENV = "MINIVLLM_CPU_GEMM"  # "onednn" (default) or "torch"
-# a oneDNN call costs about 45 us more than F.linear's before any arithmetic (measured on the
-# 2-core CPU above), so only weights of at least this many elements (2 MiB in float32) are
-# packed: SmolLM2-135M's lm_head, gate_up, down and qkv projections, not a tiny test model's
-PACK_MIN_NUMEL = 1 << 19
+# a oneDNN call has a fixed cost of its own, so only weights of at least this many elements
+# (1 MiB in float32) are packed: all of SmolLM2-135M's linear layers, not a tiny test model's.
+# On the 2-core CPU above, 30 weights of 576 x 576 (o_proj) took 3.85 ms packed vs 4.48 ms
+# through F.linear for 1 row, 4.82 vs 5.93 ms for 8 (about equal from 40 rows up), while
+# 256 x 256 ones were 0.36-0.76x as fast packed below 256 rows.
+PACK_MIN_NUMEL = 1 << 18
 
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,183 @@
+/* Paged decode attention for a CPU, float32: one query token per sequence over its context,
+ * read straight from the paged KV cache. minivllm compiles this file with the machine's C
+ * compiler the first time it is needed (minivllm/attention/cpu_decode.py) and calls it through
+ * ctypes; the torch reference (torch_backend.py) computes the same thing and the tests compare
+ * the two.
+ *
+ * Layout (attention/backend.py): a layer's K cache is [num_blocks, block_size, kv_heads, d],
+ * V the same. Token p of sequence s lives in block block_tables[s][p / block_size], at offset
+ * p % block_size. Query head hq reads KV head hq / (heads / kv_heads) (grouped-query attention).
+ *
+ * Per sequence, block by block: the block's key rows (all KV heads of a token are one
+ * contiguous row) are read once and dotted with every query head that uses them; a softmax per
+ * head; then the block's value rows are read once and added into every head's output with its
+ * probabilities. Nothing is gathered or padded, so each layer reads each context token's K and
+ * V once. The sequences are split between threads by their context lengths. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_THREADS 64
+
+/* e^x for x <= 0 (a softmax's x - max), branch-free so that its loop vectorizes: Cephes'
+ * range reduction x = k ln 2 + r and degree-6 polynomial for e^r (about 2 ulp in float32), then
+ * 2^k built in the exponent bits; x below -87 (e^x under 1.6e-38) is clamped there. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.f;
+    union { int32_t i; float f; } two_k = { .i = ((int32_t)k + 127) << 23 };
+    return y * two_k.f;
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *block_tables, *seq_lens;
+    int64_t bt_stride, bt_cols, q_stride, out_stride;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, window;
+    float scale;
+    int64_t first, last, max_len; /* this thread's sequences [first, last) */
+    int status;                   /* 0, or what went wrong */
+} job_t;
+
+/* one sequence, all its heads; D is a compile-time constant in the common cases (see run) */
+static inline __attribute__((always_inline)) int attend_sequence(
+        const job_t *a, int64_t s, const int64_t D, float *scores) {
+    const int64_t kv_heads = a->num_kv_heads, heads = a->num_heads, bs = a->block_size;
+    const int64_t group = heads / kv_heads, row = kv_heads * D, len = a->seq_lens[s];
+    const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t n = len - start, first_block = start / bs, end_block = (len + bs - 1) / bs;
+    const int32_t *table = a->block_tables + s * a->bt_stride;
+    const float *qs = a->q + s * a->q_stride;
+    float *os = a->out + s * a->out_stride;
+    if (len <= 0) return 1;
+    if (end_block > a->bt_cols) return 2;
+    for (int64_t b = first_block; b < end_block; b++)
+        if (table[b] < 0 || table[b] >= a->num_blocks) return 2;
+
+    /* scores[h * n + (p - start)] = scale * q_h . k_p */
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t p0 = b * bs > start ? b * bs : start, p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const float *block = a->k + (int64_t)table[b] * bs * row;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *qh = qs + h * D, *kh = block + (h / group) * D;
+            float *sh = scores + h * n - start;
+            for (int64_t p = p0; p < p1; p++) {
+                const float *key = kh + (p - b * bs) * row;
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * key[d];
+                sh[p] = dot * a->scale;
+            }
+        }
+    }
+    /* softmax per head, in place; each head's output starts at zero */
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * n, max = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) max = sh[t] > max ? sh[t] : max;
+        for (int64_t t = 0; t < n; t++) sh[t] = exp_nonpositive(sh[t] - max);
+        for (int64_t t = 0; t < n; t++) sum += sh[t];
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+        float *oh = os + h * D;
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
+    }
+    /* out_h += p_h,p * v_p */
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t p0 = b * bs > start ? b * bs : start, p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const float *block = a->v + (int64_t)table[b] * bs * row;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *sh = scores + h * n - start, *vh = block + (h / group) * D;
+            float *oh = os + h * D, acc[D];
+            for (int64_t d = 0; d < D; d++) acc[d] = oh[d];
+            for (int64_t p = p0; p < p1; p++) {
+                const float w = sh[p], *value = vh + (p - b * bs) * row;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * value[d];
+            }
+            for (int64_t d = 0; d < D; d++) oh[d] = acc[d];
+        }
+    }
+    return 0;
+}
+
+static void *run(void *arg) {
+    job_t *a = (job_t *)arg;
+    const int64_t D = a->head_dim;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(a->num_heads * a->max_len));
+    if (!scores) { a->status = 3; return 0; }
+    for (int64_t s = a->first; s < a->last && !a->status; s++) {
+        if (D == 64) a->status = attend_sequence(a, s, 64, scores);  /* constant head_dims */
+        else if (D == 128) a->status = attend_sequence(a, s, 128, scores);  /* unroll fully */
+        else a->status = attend_sequence(a, s, D, scores);
+    }
+    free(scores);
+    return 0;
+}
+
+/* Returns 0, or 1 (a sequence of length < 1), 2 (a block id outside the cache, or a
+ * context longer than its block table row), 3 (out of
+ * memory), 4 (bad shape). q: [num_seqs] rows of q_stride floats, each [heads, D] contiguous;
+ * out likewise with out_stride. window > 0: only the last `window` tokens are attended. */
+int minivllm_paged_decode_f32(
+        const float *q, const float *k, const float *v, float *out,
+        const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+        int64_t bt_stride, int64_t bt_cols, int64_t q_stride, int64_t out_stride, int64_t num_heads,
+        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+        int64_t window, float scale, int64_t num_threads) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1) return 4;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > num_seqs) num_threads = num_seqs > 0 ? num_seqs : 1;
+    int64_t total = 0, max_len = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t n = seq_lens[s];
+        if (n < 1) return 1;
+        if (window > 0 && n > window) n = window;
+        total += n;
+        max_len = n > max_len ? n : max_len;
+    }
+    job_t jobs[MAX_THREADS];
+    int64_t s = 0, done = 0;
+    for (int64_t i = 0; i < num_threads; i++) {
+        job_t *j = &jobs[i];
+        *j = (job_t){q, k, v, out, block_tables, seq_lens, bt_stride, bt_cols, q_stride, out_stride,
+                     num_heads, num_kv_heads, head_dim, block_size, num_blocks, window, scale,
+                     s, s, max_len, 0};
+        const int64_t target = total * (i + 1) / num_threads;  /* about equal token counts */
+        while (s < num_seqs && (done < target || i == num_threads - 1)) {
+            int64_t n = seq_lens[s];
+            done += (window > 0 && n > window) ? window : n;
+            s++;
+        }
+        j->last = s;
+    }
+#ifdef _OPENMP
+    /* torch's own OpenMP threads (its libgomp is the process's): they are awake and waiting
+     * right after torch's previous op, where threads of our own would compete with them */
+    #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int64_t i = 0; i < num_threads; i++) run(&jobs[i]);
+#else
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 1; i < num_threads; i++)
+        started[i] = pthread_create(&threads[i], 0, run, &jobs[i]) == 0;
+    for (int64_t i = 1; i < num_threads; i++)
+        if (!started[i]) run(&jobs[i]);  /* no thread: do its share here */
+    run(&jobs[0]);
+    for (int64_t i = 1; i < num_threads; i++)
+        if (started[i]) pthread_join(threads[i], 0);
+#endif
+    int status = 0;
+    for (int64_t i = 0; i < num_threads; i++)
+        if (jobs[i].status && !status) status = jobs[i].status;
+    return status;
+}

@@ -1,0 +1,161 @@
+"""The C decode attention kernel (``minivllm/attention/cpu_decode.c``) against attention written
+out densely: head dims it specializes (64, 128) and others, grouped-query ratios, block sizes,
+sliding windows, one thread and several; bad block tables are refused without a crash; without
+a compiler the torch path serves and one warning says so."""
+
+import importlib
+
+import pytest
+import torch
+
+from minivllm.attention import cpu_decode, torch_backend
+from minivllm.attention.backend import AttentionMetadata
+from minivllm.attention.torch_backend import TorchAttentionBackend
+from tests.test_torch_attention import context, dense, paged_case
+
+needs_kernel = pytest.mark.skipif(cpu_decode.kernel() is None,
+                                  reason="no C compiler: the kernel cannot be built here")
+
+
+def run_kernel(q, cache, table, seq_lens, scale, window=None, num_threads=None):
+    out = torch.full_like(q, float("nan"))
+    assert cpu_decode.paged_decode(q, cache, table, torch.tensor(seq_lens, dtype=torch.int32),
+                                   scale, out, window, num_threads=num_threads)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("kv_heads,heads_per_kv", [(1, 1), (3, 3), (2, 7), (4, 2)])
+@pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (1, 5), (16, 20)])
+def test_kernel_equals_dense_attention(head_dim, kv_heads, heads_per_kv, block_size, window):
+    gen = torch.Generator().manual_seed(head_dim + kv_heads * 10 + block_size)
+    seq_lens = [1, 2, 15, 16, 17, 40, 33]  # block edges, one token, several blocks
+    cache, table = paged_case(gen, seq_lens, kv_heads, head_dim, block_size)
+    q = torch.randn(len(seq_lens), kv_heads * heads_per_kv, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    for threads in (1, 3):
+        out = run_kernel(q, cache, table, seq_lens, scale, window, num_threads=threads)
+        for i, n in enumerate(seq_lens):
+            keys, values = context(cache, table, i, n)
+            torch.testing.assert_close(out[i:i + 1], dense(q[i:i + 1], keys, values, [n - 1],
+                                                           scale, window))
+
+
+@needs_kernel
+def test_kernel_softmax_over_large_score_gaps():
+    """Scores far apart (one key dominates, others underflow): no inf or NaN, the dominant
+    value wins, as in torch's softmax."""
+    gen = torch.Generator().manual_seed(1)
+    cache, table = paged_case(gen, [20], 1, 64, 4)
+    q = torch.randn(1, 2, 64, generator=gen) * 40
+    out = run_kernel(q, cache, table, [20], 1.0)
+    keys, values = context(cache, table, 0, 20)
+    torch.testing.assert_close(out, dense(q, keys, values, [19], 1.0))
+    assert torch.isfinite(out).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["block id past the cache", "negative block id",
+                                  "context longer than its table", "empty context"])
+def test_kernel_refuses_bad_input(case):
+    gen = torch.Generator().manual_seed(2)
+    cache, table = paged_case(gen, [8, 8], 2, 16, 4)
+    lens = [8, 8]
+    if case == "block id past the cache":
+        table[1, 1] = cache.shape[1]
+    elif case == "negative block id":
+        table[0, 0] = -1
+    elif case == "context longer than its table":
+        lens = [8, 4 * table.shape[1] + 1]
+    else:
+        lens = [8, 0]
+    q = torch.randn(2, 4, 16, generator=gen)
+    with pytest.raises(ValueError, match="paged_decode"):
+        run_kernel(q, cache, table, lens, 0.25)
+    # and the kernel still works afterwards
+    table2 = paged_case(gen, [8, 8], 2, 16, 4)[1]
+    run_kernel(q, cache, table2, [8, 8], 0.25)
+
+
+def test_backend_step_takes_the_kernel_for_decodes_only(monkeypatch):
+    """In a step of decodes and prefill chunks the backend hands the decodes (first in the
+    batch) to the kernel in one call, when it is there, and attends the chunks in torch."""
+    calls = []
+    real = cpu_decode.paged_decode
+    monkeypatch.setattr(cpu_decode, "paged_decode",
+                        lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, heads, d, bs = 3, 9, 64, 4
+    query_lens, seq_lens = [1, 1, 4], [7, 18, 6]
+    cache, table = paged_case(gen, seq_lens, kv_heads, d, bs)
+    total = sum(query_lens)
+    q = torch.randn(total, heads, d, generator=gen)
+    k = torch.randn(total, kv_heads, d, generator=gen)
+    v = torch.randn(total, kv_heads, d, generator=gen)
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    positions, slots = [], []
+    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
+        for p in range(n - ql, n):
+            positions.append(p)
+            slots.append(int(table[i, p // bs]) * bs + p % bs)
+    meta = AttentionMetadata(
+        num_actual_tokens=total, num_decodes=2, max_query_len=4, max_seq_len=18,
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table, slot_mapping=torch.tensor(slots),
+        query_start_loc_cpu=qsl.numpy(), seq_lens_cpu=torch.tensor(seq_lens).numpy())
+    backend = TorchAttentionBackend()
+    with torch.inference_mode():
+        out = backend.forward(q, k, v, cache, backend.build_metadata(meta, bs), d ** -0.5)
+    assert calls == [2]
+    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
+        keys, values = context(cache, table, i, n)
+        lo = int(qsl[i])
+        torch.testing.assert_close(out[lo:lo + ql], dense(q[lo:lo + ql], keys, values,
+                                                          positions[lo:lo + ql], d ** -0.5))
+
+
+def test_no_compiler_warns_once_and_the_torch_path_serves(monkeypatch, tmp_path):
+    """A machine without a C compiler: one warning, and decodes run in torch with the same
+    results; MINIVLLM_CPU_ATTENTION=torch turns the kernel off without a warning."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    fresh = importlib.reload(cpu_decode)
+    monkeypatch.setattr(torch_backend, "cpu_decode", fresh)
+    try:
+        with pytest.warns(UserWarning, match="CPU decode attention kernel is unavailable"):
+            assert fresh.kernel() is None
+        assert fresh.kernel() is None  # warned once: a second ask is quiet
+        gen = torch.Generator().manual_seed(6)
+        seq_lens = [5, 12]
+        cache, table = paged_case(gen, seq_lens, 3, 8)
+        q = torch.randn(2, 9, 8, generator=gen)
+        out = torch.empty_like(q)
+        assert not fresh.paged_decode(q, cache, table, torch.tensor(seq_lens), 0.3, out)
+        monkeypatch.setenv(cpu_decode.ENV, "torch")
+        assert fresh.kernel() is None and not fresh.can_run(q, cache)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(cpu_decode)
+
+
+@needs_kernel
+def test_build_is_cached_and_keyed_by_source_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    first = cpu_decode.build()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_decode.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    other = cpu_decode.library_path("cc", cpu_decode.FLAGS + ["-DX"])
+    assert other != first and other.parent == first.parent
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+@needs_kernel
+def test_kernel_is_not_used_where_autograd_needs_the_graph():
+    gen = torch.Generator().manual_seed(8)
+    cache, table = paged_case(gen, [5], 1, 8)
+    q = torch.randn(1, 2, 8, generator=gen, requires_grad=True)
+    assert not cpu_decode.can_run(q, cache)
+    with torch.no_grad():
+        assert cpu_decode.can_run(q, cache)
+    assert not cpu_decode.can_run(q.detach().double(), cache.double())
