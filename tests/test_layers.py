@@ -1,7 +1,7 @@
 """The package's import directions: each layer imports only from the layers below it.
 
     utils, progress, outputs, sampling_params, config, core.sched_output, engine.messages
-      <  kernels, distributed  <  attention
+      <  kernels, cpu_kernels, distributed  <  attention
       <  model  <  sample  <  worker  <  executor  <  core  <  engine  <  entrypoints
       <  testing, sim
       <  benchmarks  <  course
@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     {"utils", "progress", "outputs", "sampling_params", "config", "core.sched_output",
      "engine.messages"},
-    {"kernels", "distributed"},
+    {"kernels", "distributed", "cpu_kernels"},
     {"attention"},
     {"model", "model_hub"},
     {"sample"},

@@ -63,13 +63,23 @@ def test_kernels_import_from_a_checkout_without_installing():
 
 
 def test_a_built_wheel_carries_the_c_kernel_source(tmp_path):
-    """minivllm/attention/cpu_decode.c is compiled where minivllm runs, so a wheel must ship it."""
+    """minivllm/cpu_kernels.c is compiled where minivllm runs, so a wheel must ship it (built
+    from a copy of the sources, so that no build/ folder lands in the checkout)."""
+    import shutil
     import subprocess
     import sys
     import zipfile
 
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(os.path.join(ROOT, "minivllm"), src / "minivllm", symlinks=True, ignore=skip)
+    shutil.copytree(os.path.join(ROOT, "kernels"), src / "kernels", ignore=skip)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                          "-w", str(tmp_path), ROOT], capture_output=True, text=True)
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    wheel, = tmp_path.glob("minivllm-*.whl")
-    assert "minivllm/attention/cpu_decode.c" in zipfile.ZipFile(wheel).namelist()
+    wheel, = (tmp_path / "dist").glob("minivllm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "minivllm/cpu_kernels.c" in names and "minivllm/kernels/rms_norm.py" in names

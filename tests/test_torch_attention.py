@@ -3,12 +3,13 @@ sequence: every ratio of query heads to KV heads (on a CPU in float32 decodes re
 up to ``ROWS_MAX_KV_HEADS`` KV heads; above it SDPA folds the query heads from three per KV head
 up), with and without a sliding window, decodes and prefill chunks in one step, and several
 groups. (In an engine on a CPU, decodes go to the C kernel when it builds:
-tests/test_cpu_decode.py.)"""
+tests/test_cpu_kernels.py.)"""
 
 import pytest
 import torch
 
-from minivllm.attention import cpu_decode, torch_backend
+from minivllm import cpu_kernels
+from minivllm.attention import torch_backend
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, paged_decode_attention
 
@@ -70,10 +71,10 @@ def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypat
 def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
     """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
     cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
-    so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_decode.py
+    so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_kernels.py
     runs this step through it)."""
     monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
-    monkeypatch.setenv(cpu_decode.ENV, "torch")
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
     gen = torch.Generator().manual_seed(7)
     d, bs = 16, 4
     heads = kv_heads * heads_per_kv

@@ -21,6 +21,11 @@ On a CPU in float32 a decode group skips the value gather and SDPA
 (``attend_decodes_by_rows``): the scores come from one batched matmul with the gathered keys,
 and the probability-weighted sum of value rows is read straight out of the cache by
 ``F.embedding_bag``, which takes row indices and per-row weights.
+
+In an engine on a CPU, float32, the backend hands all of a step's decodes to one call of a C
+kernel instead (``minivllm/cpu_kernels.py``), which reads each token's K and V rows once from
+their blocks; the torch paths above serve when it is not built, is turned off, or autograd needs
+the graph, and the reference functions below always use them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention import cpu_decode
+from minivllm import cpu_kernels
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
 from minivllm.utils import cdiv
 
@@ -193,7 +198,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 
     def decode_groups(self) -> list[AttentionGroup]:
         """The decodes' groups, planned on first use: a step whose decodes all go to the CPU
-        kernel (``cpu_decode``) never plans them."""
+        kernel (``cpu_kernels``) never plans them."""
         if self._decode_groups is None:
             self._decode_groups = plan_groups(
                 self.query_start_loc_cpu, self.seq_lens_cpu, self.num_decodes,
@@ -425,7 +430,7 @@ class TorchAttentionBackend(AttentionBackend):
             metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         d = metadata.num_decodes
-        if d and not (cpu_decode.can_run(q, kv_cache) and cpu_decode.paged_decode(
+        if d and not (cpu_kernels.can_run(q, kv_cache) and cpu_kernels.paged_decode(
                 q[:d], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:d],
                 sliding_window)):
             for group in metadata.decode_groups():

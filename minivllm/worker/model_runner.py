@@ -18,7 +18,8 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
    The sampled tokens are appended to the batch's own token ids: they never travel back.
 
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
-kernels, ``torch.compile``, or plain torch: ``EngineConfig.compilation_config``), and on
+kernels, ``torch.compile``, C kernels on a CPU in float32 (``cpu_kernels``), or plain torch:
+``EngineConfig.compilation_config``), and on
 CUDA replays decode steps from CUDA graphs (``cuda_graphs.py``; off with ``enforce_eager``).
 """
 
@@ -30,6 +31,7 @@ import torch
 from minivllm.attention.backend import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from minivllm.cpu_kernels import cpu_elementwise_ops
 from minivllm.model.cpu_gemm import pack_linear_weights, should_pack
 from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
@@ -82,6 +84,9 @@ class ModelRunner:
             # dynamic: one compiled graph serves every batch size
             use_elementwise_ops(self.model, {name: torch.compile(fn, dynamic=True)
                                              for name, fn in NATIVE_OPS.items()})
+        elif self.device.type == "cpu" and model_config.dtype == torch.float32:
+            # one C call per RMSNorm, rotary and SiLU-and-mul (``cpu_kernels``), when it builds
+            use_elementwise_ops(self.model, cpu_elementwise_ops(NATIVE_OPS) or NATIVE_OPS)
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []

@@ -1,18 +1,18 @@
-/* Paged decode attention for a CPU, float32: one query token per sequence over its context,
- * read straight from the paged KV cache. minivllm compiles this file with the machine's C
- * compiler the first time it is needed (minivllm/attention/cpu_decode.py) and calls it through
- * ctypes; the torch reference (torch_backend.py) computes the same thing and the tests compare
- * the two.
+/* minivllm's CPU kernels, float32: paged decode attention and the elementwise ops of a decoder
+ * layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul). minivllm compiles this
+ * file with the machine's C compiler the first time it is needed (minivllm/cpu_kernels.py) and
+ * calls it through ctypes; the torch code it replaces (attention/torch_backend.py,
+ * model/layers.py) computes the same things, and tests/test_cpu_kernels.py compares the two.
  *
- * Layout (attention/backend.py): a layer's K cache is [num_blocks, block_size, kv_heads, d],
- * V the same. Token p of sequence s lives in block block_tables[s][p / block_size], at offset
- * p % block_size. Query head hq reads KV head hq / (heads / kv_heads) (grouped-query attention).
- *
- * Per sequence, block by block: the block's key rows (all KV heads of a token are one
- * contiguous row) are read once and dotted with every query head that uses them; a softmax per
- * head; then the block's value rows are read once and added into every head's output with its
- * probabilities. Nothing is gathered or padded, so each layer reads each context token's K and
- * V once. The sequences are split between threads by their context lengths. */
+ * Decode attention. Layout (attention/backend.py): a layer's K cache is [num_blocks,
+ * block_size, kv_heads, d], V the same. Token p of sequence s lives in block
+ * block_tables[s][p / block_size], at offset p % block_size. Query head hq reads KV head
+ * hq / (heads / kv_heads) (grouped-query attention). Per sequence, block by block: the block's
+ * key rows (all KV heads of a token are one contiguous row) are read once and dotted with every
+ * query head that uses them; a softmax per head; then the block's value rows are read once and
+ * added into every head's output with its probabilities. Nothing is gathered or padded, so each
+ * layer reads each context token's K and V once. The sequences are split between threads by
+ * their context lengths. */
 
 #include <math.h>
 #include <pthread.h>
@@ -180,4 +180,86 @@ int minivllm_paged_decode_f32(
     for (int64_t i = 0; i < num_threads; i++)
         if (jobs[i].status && !status) status = jobs[i].status;
     return status;
+}
+
+/* ---- elementwise ops: rows split between torch's threads when there is enough work ---- */
+
+#define PARALLEL_MIN_ELEMENTS 65536
+
+/* out[i] = weight * r / sqrt(mean(r^2) + eps), r = x[i] (+ residual[i], then also written to
+ * residual_out[i]); rows of `hidden` floats with the given row strides (in floats) */
+void minivllm_rms_norm_f32(const float *x, int64_t x_stride, const float *residual,
+                           int64_t r_stride, const float *weight, float *out, int64_t out_stride,
+                           float *residual_out, int64_t ro_stride, int64_t rows, int64_t hidden,
+                           float eps, int64_t num_threads) {
+    (void)num_threads;
+    #pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * x_stride;
+        float *oi = out + i * out_stride, sum = 0.f;
+        if (residual) {
+            const float *ri = residual + i * r_stride;
+            float *roi = residual_out + i * ro_stride;
+            for (int64_t j = 0; j < hidden; j++) {
+                const float r = xi[j] + ri[j];
+                roi[j] = r;
+                sum += r * r;
+            }
+            xi = roi;
+        } else {
+            for (int64_t j = 0; j < hidden; j++) sum += xi[j] * xi[j];
+        }
+        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t j = 0; j < hidden; j++) oi[j] = weight[j] * (xi[j] * inv);
+    }
+}
+
+/* out[i, j] = silu(x[i, j]) * x[i, d + j]: x's rows are [gate | up], silu(g) = g * sigmoid(g) */
+void minivllm_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                               int64_t rows, int64_t d, int64_t num_threads) {
+    (void)num_threads;
+    #pragma omp parallel for num_threads(num_threads) if (rows * d >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *gate = x + i * x_stride, *up = gate + d;
+        float *oi = out + i * out_stride;
+        for (int64_t j = 0; j < d; j++) {
+            const float g = gate[j], e = exp_nonpositive(g < 0.f ? g : -g);  /* e^-|g| */
+            const float sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+            oi[j] = g * sigmoid * up[j];
+        }
+    }
+}
+
+/* Rotary embedding, "neox" layout, out of place: for token t at position positions[t], each
+ * head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with cos | sin the row of
+ * cos_sin (d/2 each). q: [tokens, heads, d] with token stride q_stride (heads contiguous), k
+ * likewise; q_out and k_out contiguous. Returns 1 if a position is outside the table. */
+int minivllm_rotary_f32(const int64_t *positions, const float *q, int64_t q_stride,
+                        const float *k, int64_t k_stride, const float *cos_sin,
+                        int64_t max_position, float *q_out, float *k_out, int64_t tokens,
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t num_threads) {
+    (void)num_threads;
+    const int64_t half = d / 2;
+    int bad = 0;
+    #pragma omp parallel for num_threads(num_threads) reduction(| : bad) \
+        if (tokens * (heads + kv_heads) * d >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_position) { bad = 1; continue; }
+        const float *cos = cos_sin + pos * d, *sin = cos + half;
+        for (int64_t which = 0; which < 2; which++) {
+            const int64_t n = which ? kv_heads : heads;
+            const float *src = which ? k + t * k_stride : q + t * q_stride;
+            float *dst = which ? k_out + t * kv_heads * d : q_out + t * heads * d;
+            for (int64_t h = 0; h < n; h++) {
+                const float *x1 = src + h * d, *x2 = x1 + half;
+                float *o1 = dst + h * d, *o2 = o1 + half;
+                for (int64_t j = 0; j < half; j++) {
+                    o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
+                    o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
+                }
+            }
+        }
+    }
+    return bad;
 }
