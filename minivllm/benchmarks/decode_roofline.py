@@ -96,11 +96,15 @@ def main(args) -> int:
     rng = random.Random(args.seed)
     lens = [rng.randint(lo, hi) for _ in range(args.batch)]
     kwargs = engine_kwargs(args)
+    # a request whose prompt is in early decodes while the later prompts prefill (a step per
+    # budget's worth of prompt tokens): it must still be running in the timed steps
+    budget = kwargs.get("max_num_batched_tokens") or 512
+    max_tokens = args.steps + 4 + cdiv(sum(lens), budget) + args.batch
     if kwargs.get("num_kv_blocks") is None:  # room for every sequence at once: no preemption
         bs = kwargs.get("block_size") or 16
-        kwargs["num_kv_blocks"] = sum(cdiv(n + args.steps + 4, bs) for n in lens) + 8
+        kwargs["num_kv_blocks"] = sum(cdiv(n + max_tokens + 1, bs) for n in lens) + 8
     kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, args.batch)
-    kwargs["max_model_len"] = kwargs.get("max_model_len") or hi + args.steps + 8
+    kwargs["max_model_len"] = kwargs.get("max_model_len") or hi + max_tokens + 8
     kwargs["enable_prefix_caching"] = False  # random prompts: nothing to share anyway
     kwargs["trace_steps"] = 0
     llm = LLM(show_progress=False, **kwargs)
@@ -109,7 +113,7 @@ def main(args) -> int:
     runner = engine.engine_core.engine_core.model_runner
     mc = cfg.model_config.hf_config
 
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, n in enumerate(lens):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(3, mc.vocab_size)
                                                          for _ in range(n)]}, params)
@@ -117,6 +121,12 @@ def main(args) -> int:
     while len(started) < args.batch:  # every prompt prefilled, its first token out
         started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
     engine.step()  # one warm-up decode step
+    core = engine.engine_core.engine_core
+    running = core.scheduler.running
+    if len(running) != args.batch or core.scheduler.waiting:
+        raise RuntimeError(f"expected {args.batch} requests decoding, {len(running)} are")
+    # contexts during the timed steps: what each holds now, then one more token per step
+    mean_context = sum(r.num_tokens for r in running) / args.batch + (args.steps - 1) / 2
 
     backend = runner.attention_backend
     attention_s = [0.0]
@@ -142,8 +152,6 @@ def main(args) -> int:
 
     step = percentile(step_times, 50)
     attention = attention_s[0] / args.steps
-    # contexts during the timed steps: the prompt, its first token, then one more per step
-    mean_context = sum(lens) / args.batch + 2 + args.steps / 2
     kv_bytes = (args.batch * mean_context * mc.num_hidden_layers * 2 * mc.num_key_value_heads
                 * mc.head_dim * torch.finfo(cfg.model_config.dtype).bits // 8)
     mm_s, mm_flops = matmul_time(runner.model, args.batch)
