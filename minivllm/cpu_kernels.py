@@ -153,8 +153,10 @@ def _plain(*tensors: torch.Tensor) -> bool:
 
 
 def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether this decode attention may take the C kernel (which does not build it)."""
-    return enabled() and _plain(q, kv_cache) and kv_cache.is_contiguous()
+    """Whether this decode attention may take the C kernel (which does not build it): float32
+    on a CPU, no autograd, a contiguous cache and each query token's heads side by side."""
+    return (enabled() and _plain(q, kv_cache) and kv_cache.is_contiguous()
+            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2])
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

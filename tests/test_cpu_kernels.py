@@ -253,3 +253,14 @@ def test_elementwise_ops_leave_autograd_to_torch():
     g = torch.randn(3, 32, generator=gen, requires_grad=True)
     ops["silu_and_mul"](g).sum().backward()
     assert g.grad is not None
+
+
+@needs_kernel
+def test_queries_whose_heads_are_not_side_by_side_take_the_torch_path():
+    gen = torch.Generator().manual_seed(9)
+    cache, table = paged_case(gen, [6, 3], 2, 8)
+    q = torch.randn(2, 8, 4, generator=gen).transpose(1, 2)  # [2, 4 heads, 8]: heads strided
+    assert not cpu_kernels.can_run(q, cache)
+    assert cpu_kernels.can_run(q.contiguous(), cache)
+    assert torch.allclose(_decode_step(q, cache, table, [6, 3]),
+                          _reference(q.contiguous(), cache, table, [6, 3]), atol=1e-6)

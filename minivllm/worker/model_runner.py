@@ -19,8 +19,8 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
 
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
 kernels, ``torch.compile``, C kernels on a CPU in float32 (``cpu_kernels``), or plain torch:
-``EngineConfig.compilation_config``), and on
-CUDA replays decode steps from CUDA graphs (``cuda_graphs.py``; off with ``enforce_eager``).
+``EngineConfig.compilation_config``), and on CUDA replays decode steps from CUDA graphs
+(``cuda_graphs.py``; off with ``enforce_eager``).
 """
 
 from __future__ import annotations
