@@ -11,7 +11,7 @@ RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding``
 backend likewise runs its attention and these ops in native code of its own.
 
 The first time an engine needs them, the C file is compiled with the machine's C compiler
-(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into minivllm's cache folder (a file named
+(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, no ``-ffast-math``) into minivllm's cache folder (a file named
 by a hash of the source, the flags and the CPU, so a changed source or another CPU builds anew)
 and loaded with ``ctypes``. Built with OpenMP, the kernels run on torch's own OpenMP threads
 (the process has one OpenMP runtime, torch's). Without a compiler, or when the build fails,
@@ -39,10 +39,12 @@ import torch
 
 ENV = "MINIVLLM_CPU_KERNELS"  # "c" (default) or "torch"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared",
-         "-pthread", "-fopenmp"]
-# -ffast-math lets the compiler vectorize the dot products' sums (it reorders them);
-# -fno-finite-math-only keeps -inf meaning -inf
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-freciprocal-math", "-fPIC", "-shared", "-pthread", "-fopenmp"]
+# -fassociative-math (with the two before it) lets the compiler vectorize the dot products'
+# sums, which it may then reorder. Not -ffast-math: a shared library linked with it turns on
+# flush-to-zero for the whole process when it is loaded (denormal floats become 0 in torch and
+# in Python too), which tests/test_cpu_kernels.py checks does not happen.
 ERRORS = {1: "a sequence of length < 1",
           2: "a block id outside the KV cache, or a context longer than its block table",
           3: "out of memory", 4: "a bad shape (heads not a multiple of KV heads?)"}

@@ -264,3 +264,21 @@ def test_queries_whose_heads_are_not_side_by_side_take_the_torch_path():
     assert cpu_kernels.can_run(q.contiguous(), cache)
     assert torch.allclose(_decode_step(q, cache, table, [6, 3]),
                           _reference(q.contiguous(), cache, table, [6, 3]), atol=1e-6)
+
+
+@needs_kernel
+def test_loading_the_library_keeps_denormal_floats():
+    """A library built with -ffast-math sets flush-to-zero for the whole process when loaded;
+    this one must not: subnormal floats survive in Python and in torch."""
+    import subprocess
+    import sys
+
+    code = ("from minivllm import cpu_kernels\n"
+            "import torch\n"
+            "assert cpu_kernels.library() is not None\n"
+            "x = float('2.2250738585072014e-308')\n"
+            "assert x / 2 > 0, 'Python flushes denormals'\n"
+            "t = torch.tensor([1e-38]) * torch.tensor([1e-3])\n"
+            "assert t.item() > 0, 'torch flushes denormals'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-1500:]

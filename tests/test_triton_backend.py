@@ -185,15 +185,26 @@ def test_custom_ops_resolution(tiny_llama):
         _config(tiny_llama, custom_ops="all", compile=True)
 
 
-def test_custom_ops_swap_the_model_ops(tiny_llama):
+def test_custom_ops_swap_the_model_ops(tiny_llama, monkeypatch):
+    """custom_ops="all": the Triton kernels; by default on a CPU in float32, the C kernels
+    (``cpu_kernels``) when they build; with those turned off, the plain torch functions."""
+    from minivllm import cpu_kernels
     from minivllm.kernels import triton_elementwise_ops
     from minivllm.model.layers import NATIVE_OPS
 
+    def ops(model):
+        return {m.op for m in model.modules() if hasattr(m, "op_name")}
+
     fused = _runner(LLM(tiny_llama, custom_ops="all", **SMALL_ENGINE)).model
-    plain = _runner(LLM(tiny_llama, **SMALL_ENGINE)).model
-    kernels = set(triton_elementwise_ops().values())
-    assert {m.op for m in fused.modules() if hasattr(m, "op_name")} == kernels
-    assert {m.op for m in plain.modules() if hasattr(m, "op_name")} == set(NATIVE_OPS.values())
+    assert ops(fused) == set(triton_elementwise_ops().values())
+    default = ops(_runner(LLM(tiny_llama, **SMALL_ENGINE)).model)
+    if cpu_kernels.library() is None:
+        assert default == set(NATIVE_OPS.values())
+    else:
+        assert {op.__module__ for op in default} == {"minivllm.cpu_kernels"}
+        assert {op.__name__ for op in default} == set(NATIVE_OPS)
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    assert ops(_runner(LLM(tiny_llama, **SMALL_ENGINE)).model) == set(NATIVE_OPS.values())
 
 
 def test_triton_errors_say_what_is_missing(tiny_llama, monkeypatch):
