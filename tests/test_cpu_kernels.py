@@ -14,7 +14,7 @@ from minivllm.attention import torch_backend
 from minivllm.model.layers import NATIVE_OPS
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
-from tests.test_torch_attention import context, dense, paged_case
+from tests.test_torch_attention import context, dense, paged_case, step_case
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None,
                                   reason="no C compiler: the kernel cannot be built here")
@@ -115,24 +115,10 @@ def test_backend_step_takes_the_kernel_for_decodes_only(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "paged_decode",
                         lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
     gen = torch.Generator().manual_seed(4)
-    kv_heads, heads, d, bs = 3, 9, 64, 4
+    d, bs = 64, 4
     query_lens, seq_lens = [1, 1, 4], [7, 18, 6]
-    cache, table = paged_case(gen, seq_lens, kv_heads, d, bs)
-    total = sum(query_lens)
-    q = torch.randn(total, heads, d, generator=gen)
-    k = torch.randn(total, kv_heads, d, generator=gen)
-    v = torch.randn(total, kv_heads, d, generator=gen)
-    qsl = torch.tensor([0] + query_lens).cumsum(0)
-    positions, slots = [], []
-    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
-        for p in range(n - ql, n):
-            positions.append(p)
-            slots.append(int(table[i, p // bs]) * bs + p % bs)
-    meta = AttentionMetadata(
-        num_actual_tokens=total, num_decodes=2, max_query_len=4, max_seq_len=18,
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=table, slot_mapping=torch.tensor(slots),
-        query_start_loc_cpu=qsl.numpy(), seq_lens_cpu=torch.tensor(seq_lens).numpy())
+    cache, table, q, k, v, qsl, positions, meta = step_case(
+        gen, query_lens, seq_lens, 3, 9, d, bs, num_decodes=2)
     backend = TorchAttentionBackend()
     with torch.inference_mode():
         out = backend.forward(q, k, v, cache, backend.build_metadata(meta, bs), d ** -0.5)

@@ -66,20 +66,9 @@ def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypat
         torch.testing.assert_close(out[i:i + 1], dense(q[i:i + 1], keys, values, [n - 1], 0.3, window))
 
 
-@pytest.mark.parametrize("heads_per_kv", [2, 3])
-@pytest.mark.parametrize("kv_heads", [1, 3])
-def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
-    """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
-    cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
-    so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_kernels.py
-    runs this step through it)."""
-    monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
-    monkeypatch.setenv(cpu_kernels.ENV, "torch")
-    gen = torch.Generator().manual_seed(7)
-    d, bs = 16, 4
-    heads = kv_heads * heads_per_kv
-    query_lens = [1, 1, 1, 5, 3]
-    seq_lens = [6, 13, 2, 5, 11]
+def step_case(gen, query_lens, seq_lens, kv_heads, heads, d, bs, num_decodes):
+    """One step as the runner hands it over: the cache and block table, the step's q/k/v, its
+    query start offsets, each query's position, and its ``AttentionMetadata``."""
     cache, table = paged_case(gen, seq_lens, kv_heads, d, bs)
     total = sum(query_lens)
     q = torch.randn(total, heads, d, generator=gen)
@@ -92,10 +81,28 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
             positions.append(p)
             slots.append(int(table[i, p // bs]) * bs + p % bs)
     meta = AttentionMetadata(
-        num_actual_tokens=total, num_decodes=3, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=qsl, seq_lens=torch.tensor(seq_lens),
-        block_tables=table, slot_mapping=torch.tensor(slots),
-        query_start_loc_cpu=qsl.numpy(), seq_lens_cpu=torch.tensor(seq_lens).numpy())
+        num_actual_tokens=total, num_decodes=num_decodes, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table,
+        slot_mapping=torch.tensor(slots), query_start_loc_cpu=qsl.numpy(),
+        seq_lens_cpu=torch.tensor(seq_lens).numpy())
+    return cache, table, q, k, v, qsl, positions, meta
+
+
+@pytest.mark.parametrize("heads_per_kv", [2, 3])
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
+    """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
+    cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
+    so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_kernels.py
+    runs this step through it)."""
+    monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
+    monkeypatch.setenv(cpu_kernels.ENV, "torch")
+    gen = torch.Generator().manual_seed(7)
+    query_lens, seq_lens = [1, 1, 1, 5, 3], [6, 13, 2, 5, 11]
+    cache, table, q, k, v, qsl, positions, meta = step_case(
+        gen, query_lens, seq_lens, kv_heads, kv_heads * heads_per_kv, 16, 4, num_decodes=3)
+    bs = 4
     backend = TorchAttentionBackend()
     planned = backend.build_metadata(meta, bs)
     assert len(planned.decode_groups()) >= 2  # the decodes alone, unpadded, make several
