@@ -67,7 +67,8 @@ static inline __attribute__((always_inline)) int attend_sequence(
 
     /* scores[h * n + (p - start)] = scale * q_h . k_p */
     for (int64_t b = first_block; b < end_block; b++) {
-        const int64_t p0 = b * bs > start ? b * bs : start, p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const int64_t p0 = b * bs > start ? b * bs : start;
+        const int64_t p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const float *block = a->k + (int64_t)table[b] * bs * row;
         for (int64_t h = 0; h < heads; h++) {
             const float *qh = qs + h * D, *kh = block + (h / group) * D;
@@ -93,7 +94,8 @@ static inline __attribute__((always_inline)) int attend_sequence(
     }
     /* out_h += p_h,p * v_p */
     for (int64_t b = first_block; b < end_block; b++) {
-        const int64_t p0 = b * bs > start ? b * bs : start, p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const int64_t p0 = b * bs > start ? b * bs : start;
+        const int64_t p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
         const float *block = a->v + (int64_t)table[b] * bs * row;
         for (int64_t h = 0; h < heads; h++) {
             const float *sh = scores + h * n - start, *vh = block + (h / group) * D;

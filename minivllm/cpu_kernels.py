@@ -11,13 +11,14 @@ RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding``
 backend likewise runs its attention and these ops in native code of its own.
 
 The first time an engine needs them, the C file is compiled with the machine's C compiler
-(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, no ``-ffast-math``) into minivllm's cache folder (a file named
-by a hash of the source, the flags and the CPU, so a changed source or another CPU builds anew)
-and loaded with ``ctypes``. Built with OpenMP, the kernels run on torch's own OpenMP threads
-(the process has one OpenMP runtime, torch's). Without a compiler, or when the build fails,
-the torch code runs and one warning says why. ``MINIVLLM_CPU_KERNELS=torch`` turns them off.
-They serve float32 tensors on a CPU only, and never a call that needs autograd (the course's
-models with gradients on): those take the torch code.
+(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, no ``-ffast-math``) into minivllm's
+cache folder (a file named by a hash of the source, the flags and the CPU, so a changed source
+or another CPU builds anew) and loaded with ``ctypes``. Built with OpenMP, the kernels run on
+torch's own OpenMP threads (the process has one OpenMP runtime, torch's). Without a compiler,
+or when the build fails, the torch code runs and one warning says why.
+``MINIVLLM_CPU_KERNELS=torch`` turns them off. They serve float32 tensors on a CPU only, and
+never a call that needs autograd (the course's models with gradients on): those take the torch
+code.
 
 Their results equal the torch code's up to float rounding (other summation orders, and their
 own ``exp``): ``tests/test_cpu_kernels.py`` checks each against it, and the greedy outputs
@@ -186,8 +187,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if tables.shape[0] < n or lens.shape[0] < n:
         raise ValueError("paged_decode: fewer block tables or lengths than queries")
     status = fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), n, tables.stride(0), tables.shape[1], q.stride(0),
-                out.stride(0), heads, kv_heads, d, block_size, num_blocks,
+                tables.data_ptr(), lens.data_ptr(), n, tables.stride(0), tables.shape[1],
+                q.stride(0), out.stride(0), heads, kv_heads, d, block_size, num_blocks,
                 sliding_window or 0, scale, num_threads or torch.get_num_threads())
     if status:
         raise ValueError(f"paged_decode: {ERRORS.get(status, f'error {status}')}")

@@ -195,7 +195,8 @@ def test_rms_norm_equals_torch(rows, hidden):
     x = torch.randn(rows, hidden, generator=gen) * 3
     residual = torch.randn(rows, hidden, generator=gen)
     weight = torch.randn(hidden, generator=gen)
-    torch.testing.assert_close(ops["rms_norm"](x, weight, 1e-5), NATIVE_OPS["rms_norm"](x, weight, 1e-5))
+    torch.testing.assert_close(ops["rms_norm"](x, weight, 1e-5),
+                               NATIVE_OPS["rms_norm"](x, weight, 1e-5))
     out, new_residual = ops["rms_norm"](x, weight, 1e-5, residual)
     ref_out, ref_residual = NATIVE_OPS["rms_norm"](x, weight, 1e-5, residual)
     torch.testing.assert_close(out, ref_out)
