@@ -155,11 +155,17 @@ def _plain(*tensors: torch.Tensor) -> bool:
                and not (grad and t.requires_grad) for t in tensors)
 
 
+def _heads_side_by_side(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] whose heads are one contiguous row per token (any row stride):
+    what the kernels index as ``x + token * stride(0) + head * head_dim``"""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether this decode attention may take the C kernel (which does not build it): float32
     on a CPU, no autograd, a contiguous cache and each query token's heads side by side."""
     return (enabled() and _plain(q, kv_cache) and kv_cache.is_contiguous()
-            and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2])
+            and _heads_side_by_side(q))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -176,8 +182,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if n == 0:
         return True
     _, num_blocks, block_size, kv_heads, kd = kv_cache.shape
-    if (kd != d or q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1
-            or out.stride(1) != d or out.dtype != torch.float32):
+    if (kd != d or not _heads_side_by_side(q) or not _heads_side_by_side(out)
+            or out.shape != q.shape or out.dtype != torch.float32):
         raise ValueError("paged_decode: q and out must be float32 rows of [heads, head_dim]")
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = seq_lens[:n]
@@ -242,10 +248,9 @@ def cpu_elementwise_ops(native: dict) -> dict | None:
         return out
 
     def rotary_embedding(positions, q, k, cos_sin_cache):
-        if not (_plain(q, k, cos_sin_cache) and positions.device.type == "cpu" and q.dim() == 3
-                and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(2) == 1
-                and k.stride(1) == k.shape[2] and cos_sin_cache.is_contiguous()
-                and cos_sin_cache.shape[-1] == q.shape[-1]):
+        if not (_plain(q, k, cos_sin_cache) and positions.device.type == "cpu"
+                and _heads_side_by_side(q) and _heads_side_by_side(k)
+                and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[-1] == q.shape[-1]):
             return native_rotary(positions, q, k, cos_sin_cache)
         tokens, heads, d = q.shape
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else (

@@ -23,6 +23,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, percentile, write_json
+from minivllm.config import DEFAULT_BATCHED_TOKENS
 from minivllm.utils import cdiv
 
 
@@ -97,8 +98,9 @@ def main(args) -> int:
     lens = [rng.randint(lo, hi) for _ in range(args.batch)]
     kwargs = engine_kwargs(args)
     # a request whose prompt is in early decodes while the later prompts prefill (a step per
-    # budget's worth of prompt tokens): it must still be running in the timed steps
-    budget = kwargs.get("max_num_batched_tokens") or 512
+    # budget's worth of prompt tokens): it must still be running in the timed steps. Without a
+    # budget given, the smallest default one bounds the number of prefill steps from above.
+    budget = kwargs.get("max_num_batched_tokens") or min(DEFAULT_BATCHED_TOKENS.values())
     max_tokens = args.steps + 4 + cdiv(sum(lens), budget) + args.batch
     if kwargs.get("num_kv_blocks") is None:  # room for every sequence at once: no preemption
         bs = kwargs.get("block_size") or 16
@@ -110,7 +112,8 @@ def main(args) -> int:
     llm = LLM(show_progress=False, **kwargs)
     engine = llm.llm_engine
     cfg = engine.config
-    runner = engine.engine_core.engine_core.model_runner
+    core = engine.engine_core.engine_core
+    runner = core.model_runner
     mc = cfg.model_config.hf_config
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -121,7 +124,6 @@ def main(args) -> int:
     while len(started) < args.batch:  # every prompt prefilled, its first token out
         started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
     engine.step()  # one warm-up decode step
-    core = engine.engine_core.engine_core
     running = core.scheduler.running
     if len(running) != args.batch or core.scheduler.waiting:
         raise RuntimeError(f"expected {args.batch} requests decoding, {len(running)} are")
