@@ -16,6 +16,7 @@ def test_bench_overhead_parts_add_up(tiny_llama, tmp_path):
                                    "output_processing"))
         assert all(r[p] >= 0 for p in ("schedule", "forward", "sample", "update"))
         assert 0 < parts <= r["step"] * 1.01 and r["step"] > 0
+    assert result["host_speed"]["python_ms"] > 0 and result["host_speed"]["torch_op_us"] > 0
 
 
 def test_bench_decode_roofline_reports_its_limits(tiny_llama, tmp_path):

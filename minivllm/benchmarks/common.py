@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import random
+import time
 
 from minivllm.utils import percentile, stall_window  # noqa: F401  (re-exported)
 
@@ -26,6 +27,39 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def _bookkeeping() -> None:
+    """A fixed piece of the per-request Python an engine's host side runs: 256 requests, each
+    step appending a token, counting it and reporting it, for 100 steps."""
+    requests = [{"id": i, "tokens": [1, 2, 3], "n": 0} for i in range(256)]
+    report = []
+    for _ in range(100):
+        for r in requests:
+            r["tokens"].append(r["n"])
+            r["n"] += 1
+            report.append((r["id"], r["n"]))
+        report.clear()
+
+
+def host_speed(repeats: int = 7) -> dict:
+    """How fast this machine runs host-side work now, timed in the same run as the figures it
+    qualifies: ``python_ms``, the median time of a fixed pure-Python loop (``_bookkeeping``), and
+    ``torch_op_us``, of one small in-place torch op. A shared machine's speed drifts by more than
+    an engine change moves its overhead; two runs' overheads compare only next to these."""
+    import torch
+
+    x = torch.zeros(256)
+    loops, ops = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _bookkeeping()
+        middle = time.perf_counter()
+        for _ in range(1000):
+            x.add_(1)
+        loops.append(middle - start)
+        ops.append(time.perf_counter() - middle)
+    return {"python_ms": percentile(loops, 50) * 1e3, "torch_op_us": percentile(ops, 50) * 1e3}
 
 
 def random_token_prompts(

@@ -17,6 +17,10 @@ Batches of 1, 64 and 256 requests (``--batch-sizes``) decode together; every par
 over ``--steps`` pure decode steps after a warm-up. Each request's outputs are of
 ``--output-kind`` (default ``delta``: what ``minivllm serve`` streams; ``final_only`` is what
 ``LLM.generate`` and a non-streaming response use, ``cumulative`` the engine's step API).
+
+The same run times a fixed pure-Python loop and a small torch op (``host_speed``) and prints
+them first: this machine's host speed drifts by more than an engine change moves a step, so two
+runs' figures compare only next to those.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import tempfile
 import time
 from collections import defaultdict
 
-from minivllm.benchmarks.common import machine_info, write_json
+from minivllm.benchmarks.common import host_speed, machine_info, write_json
 
 PARTS = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
 OVERHEAD_MODEL = dict(model_type="llama", hidden_size=64, intermediate_size=128,
@@ -150,7 +154,10 @@ def main(args) -> int:
               "model": "2-layer llama, hidden 64, vocab 512 (random weights)" if folder
               else kwargs["model"], "steps": args.steps, "output_kind": args.output_kind,
               "by_batch": {}}
-    print(f"outputs: {args.output_kind}")
+    speed = host_speed()
+    result["host_speed"] = speed
+    print(f"outputs: {args.output_kind}; this machine now: {speed['python_ms']:.2f} ms for the "
+          f"reference Python loop, {speed['torch_op_us']:.2f} us per small torch op")
     print(f"{'batch':>6} {'step':>8} " + " ".join(f"{p:>17}" for p in PARTS) + "   (ms per step)")
     for batch in args.batch_sizes:
         r = measure_batch(llm, clock, batch, args.steps, args.warmup_steps, args.prompt_len,
