@@ -42,8 +42,9 @@ static inline float exp_nonpositive(float x) {
 /* Prefetch part `part` of `parts` of the `floats` at p, a line (64 bytes) at a time. The
  * kernel reads its blocks wherever the block table puts them; the hardware's prefetchers do not
  * run ahead of its arithmetic across those jumps, so it asks for the next block while it works on
- * this one, a little per head so that the requests are spread out (measured: decode attention
- * 1.3-1.5x faster at batch 64, contexts 64-1024). */
+ * this one, a little per head so that the requests are spread out (measured at batch 64,
+ * contexts 64-1024, with the eight-row dots below: 35-41 % of the machine's read rate without
+ * it, 54-66 % with it). */
 static inline void prefetch_part(const float *p, int64_t floats, int64_t part, int64_t parts) {
     const char *c = (const char *)p;
     const int64_t bytes = floats * (int64_t)sizeof(float);
