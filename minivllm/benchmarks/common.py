@@ -42,6 +42,28 @@ def _bookkeeping() -> None:
         report.clear()
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (a CUDA device); nothing on a CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, repeats: int, device) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call, synchronised with
+    ``device`` around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return percentile(times, 50)
+
+
 def host_speed(repeats: int = 7) -> dict:
     """How fast this machine runs host-side work now, timed in the same run as the figures it
     qualifies: ``python_ms``, the median time of a fixed pure-Python loop (``_bookkeeping``), and
@@ -49,17 +71,14 @@ def host_speed(repeats: int = 7) -> dict:
     an engine change moves its overhead; two runs' overheads compare only next to these."""
     import torch
 
-    x = torch.zeros(256)
-    loops, ops = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _bookkeeping()
-        middle = time.perf_counter()
+    x, cpu = torch.zeros(256), torch.device("cpu")
+
+    def thousand_ops():
         for _ in range(1000):
             x.add_(1)
-        loops.append(middle - start)
-        ops.append(time.perf_counter() - middle)
-    return {"python_ms": percentile(loops, 50) * 1e3, "torch_op_us": percentile(ops, 50) * 1e3}
+
+    return {"python_ms": median_time(_bookkeeping, repeats, cpu) * 1e3,
+            "torch_op_us": median_time(thousand_ops, repeats, cpu) * 1e3}
 
 
 def random_token_prompts(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import time
 
-from minivllm.benchmarks.common import machine_info, percentile, write_json
+from minivllm.benchmarks.common import machine_info, median_time, percentile, sync, write_json
 from minivllm.config import DEFAULT_BATCHED_TOKENS
 from minivllm.utils import cdiv
 
@@ -38,31 +38,12 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.set_defaults(func=main)
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn, repeats: int, device) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return percentile(times, 50)
-
-
 def read_bandwidth(device, num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes per second ``torch.sum`` reads from a tensor far larger than the caches."""
     import torch
 
     x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    return num_bytes / _median_time(lambda: x.sum(), repeats, device)
+    return num_bytes / median_time(lambda: x.sum(), repeats, device)
 
 
 def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
@@ -84,7 +65,7 @@ def matmul_time(model, batch: int, repeats: int = 5) -> tuple[float, float]:
         for layer in layers:
             linear(layer, inputs[layer.weight.shape[1]])
 
-    return _median_time(run, repeats, device), flops
+    return median_time(run, repeats, device), flops
 
 
 def main(args) -> int:
@@ -135,12 +116,12 @@ def main(args) -> int:
     forward = backend.forward
 
     def timed_forward(*a, **kw):  # on a GPU: synchronised around (run it with enforce_eager)
-        _sync(cfg.device_config.device)
+        sync(cfg.device_config.device)
         start = time.perf_counter()
         try:
             return forward(*a, **kw)
         finally:
-            _sync(cfg.device_config.device)
+            sync(cfg.device_config.device)
             attention_s[0] += time.perf_counter() - start
 
     backend.forward = timed_forward
