@@ -1,0 +1,199 @@
+"""GPU measurements a chapter stores, so a learner without a GPU still sees one.
+
+A chapter's GPU cells all follow one pattern::
+
+    from minivllm.course import gpu_results
+
+    if gpu_results.has_cuda():
+        ...measure...
+        gpu_results.save("02", "decode_speed", {"tokens_per_s": tps}, fig=fig)
+    else:
+        gpu_results.show("02", "decode_speed", "the decode loop's tokens/s on a GPU")
+
+On a GPU, ``save`` writes ``chapters/gpu_results/<chapter>_<name>.json`` (the data, the date,
+the device and the torch version) and a ``.png`` beside it when given a matplotlib figure;
+commit them and every CPU-only reader gets them. Without a GPU, ``show`` says what the cell
+would measure and prints the stored result (displaying its figure inline), or says that none
+is stored yet. ``show`` never raises: Run All must get through a chapter on any machine.
+
+The folder is found from the working directory (a notebook runs in the folder it lives in:
+``chapters/``, ``solutions/``...) walking up to the repository's ``chapters/``, else from this
+package's location (an editable install); ``MINIVLLM_GPU_RESULTS`` names another folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+
+ENV_DIR = "MINIVLLM_GPU_RESULTS"
+SUBDIR = "gpu_results"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA device (False when torch is missing or was built without CUDA)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _is_chapters_dir(path: str) -> bool:
+    if os.path.basename(os.path.normpath(path)) != "chapters" or not os.path.isdir(path):
+        return False
+    return any(re.match(r"^\d\d_.*\.ipynb$", f) for f in os.listdir(path))
+
+
+def chapters_dir(start: str | None = None) -> str | None:
+    """The repository's chapters/ folder: from ``start`` (default: the working directory) up,
+    else beside this package; None if neither finds one."""
+    here = os.path.abspath(start or os.getcwd())
+    while True:
+        if _is_chapters_dir(here):
+            return here
+        if _is_chapters_dir(os.path.join(here, "chapters")):
+            return os.path.join(here, "chapters")
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    candidate = os.path.join(package_root, "chapters")
+    return candidate if _is_chapters_dir(candidate) else None
+
+
+def results_dir(start: str | None = None) -> str | None:
+    """Where results are stored: ``$MINIVLLM_GPU_RESULTS``, else ``chapters/gpu_results/``."""
+    if os.environ.get(ENV_DIR):
+        return os.path.abspath(os.environ[ENV_DIR])
+    chapters = chapters_dir(start)
+    return os.path.join(chapters, SUBDIR) if chapters else None
+
+
+def _check_names(chapter: str, name: str) -> None:
+    for label, value in (("chapter", chapter), ("name", name)):
+        if not isinstance(value, str) or not _NAME.match(value):
+            raise ValueError(f"{label} {value!r}: letters, digits, '_', '-' and '.' only")
+
+
+def paths(chapter: str, name: str, start: str | None = None) -> tuple[str, str] | None:
+    """(json path, png path) of one result, or None when no chapters/ folder is found."""
+    _check_names(chapter, name)
+    folder = results_dir(start)
+    if folder is None:
+        return None
+    stem = os.path.join(folder, f"{chapter}_{name}")
+    return stem + ".json", stem + ".png"
+
+
+def _jsonable(value):
+    """Plain JSON values from what a measurement returns (numpy/torch scalars and arrays...)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, torch tensors
+        return _jsonable(value.tolist())
+    if hasattr(value, "item"):
+        return _jsonable(value.item())
+    return str(value)
+
+
+def save(chapter: str, name: str, data: dict, fig=None) -> None:
+    """On a GPU: store ``data`` (plus date, device, torch version) and ``fig`` as a PNG.
+
+    Without a GPU it stores nothing (a CPU must never overwrite a GPU's result) and says so.
+    """
+    if not has_cuda():
+        print(f"No GPU here: {chapter}_{name} not stored.")
+        return
+    import torch
+
+    where = paths(chapter, name)
+    if where is None:
+        print(f"No chapters/ folder found from {os.getcwd()}: {chapter}_{name} not stored.")
+        return
+    json_path, png_path = where
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    record = {
+        "chapter": chapter,
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "data": _jsonable(data),
+    }
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    if fig is not None:
+        fig.savefig(png_path, dpi=100, bbox_inches="tight")
+    elif os.path.exists(png_path):
+        os.remove(png_path)  # a figure from an earlier run would no longer match the data
+    print(f"stored {os.path.relpath(json_path)}" + (" and its figure" if fig is not None else ""))
+
+
+def load(chapter: str, name: str) -> dict | None:
+    """The stored record ({"date", "device", "torch", "data", ...}), or None if there is none."""
+    try:
+        where = paths(chapter, name)
+        if where is None or not os.path.exists(where[0]):
+            return None
+        with open(where[0], encoding="utf-8") as f:
+            return json.load(f)
+    except Exception:
+        return None
+
+
+def _compact(value, width: int = 100) -> str:
+    text = json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_record(record: dict) -> str:
+    """A few lines: where and when it was measured, then one line per data key."""
+    head = (f"Stored GPU result ({record.get('date', '?')}, {record.get('device', '?')}, "
+            f"torch {record.get('torch', '?')}):")
+    data = record.get("data", {})
+    if not isinstance(data, dict):
+        return head + "\n  " + _compact(data)
+    return "\n".join([head] + [f"  {key}: {_compact(value)}" for key, value in data.items()])
+
+
+def show(chapter: str, name: str, what: str) -> None:
+    """Without a GPU: say what the cell would measure, then the stored result if there is one.
+
+    Never raises (a broken or missing file is reported as a line of text).
+    """
+    try:
+        print(f"No GPU here: this cell would measure {what}.")
+        where = paths(chapter, name)
+        record = load(chapter, name)
+        if record is None:
+            print("No GPU result stored yet.")
+            return
+        print(format_record(record))
+        png = where[1] if where else None
+        if png and os.path.exists(png):
+            try:
+                from IPython import get_ipython
+                from IPython.display import Image, display
+
+                if get_ipython() is not None:
+                    display(Image(filename=png))
+                else:
+                    print(f"figure: {png}")
+            except Exception:
+                print(f"figure: {png}")
+    except Exception as e:  # noqa: BLE001 - Run All must get through
+        print(f"No GPU result shown ({type(e).__name__}: {e}).")
