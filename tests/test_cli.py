@@ -49,22 +49,34 @@ def test_bench_throughput_small(tiny_llama, tmp_path):
     assert result["speedup_vs_transformers"] > 0 and result["output_tokens"] >= 16
 
 
+def _assert_png(path) -> None:
+    """``--plot`` wrote a PNG image with a picture in it, not an empty canvas."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[1] > 500 and pixels.std() > 0.05, (path, pixels.shape, pixels.std())
+
+
 def test_bench_long_prompt_and_shared_prefix_small(tiny_llama, tmp_path):
     import json
 
     lp = tmp_path / "lp.json"
     out = _run("bench", "long-prompt", "--model", tiny_llama, "--num-chats", "3",
                "--long-prompt-len", "64", "--chunk-sizes", "8", "--steady-steps", "3",
-               "--json", str(lp))
+               "--json", str(lp), "--plot", str(tmp_path / "lp.png"))
     assert out.returncode == 0, out.stderr
+    _assert_png(tmp_path / "lp.png")
     runs = json.loads(lp.read_text())["runs"]
     assert set(runs) == {"v0", "v1-chunk8"}
     assert all(r["window_steps"] > 0 and r["tpot_p99_ms"] > 0 for r in runs.values())
     assert runs["v0"]["window_steps"] < runs["v1-chunk8"]["window_steps"]  # v1 chunks the prompt
     sp = tmp_path / "sp.json"
     out = _run("bench", "shared-prefix", "--model", tiny_llama, "--num-requests", "4",
-               "--prefix-len", "64", "--json", str(sp))
+               "--prefix-len", "64", "--json", str(sp), "--plot", str(tmp_path / "sp.png"))
     assert out.returncode == 0, out.stderr
+    _assert_png(tmp_path / "sp.png")
     r = json.loads(sp.read_text())
     assert r["same_tokens"] and r["caching_on"]["peak_kv_blocks_used"] == r["expected_blocks_shared"]
     assert r["caching_off"]["peak_kv_blocks_used"] > r["caching_on"]["peak_kv_blocks_used"]

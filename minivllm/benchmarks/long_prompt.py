@@ -28,6 +28,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--steady-steps", type=int, default=20, help="decode steps before the arrival")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG: the chats' time per output token around the arrival, per run")
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
@@ -106,7 +108,7 @@ def main(args) -> int:
     for c in args.chunk_sizes:
         runs[f"v1-chunk{c}"] = dict(scheduler="v1", long_prefill_token_threshold=c,
                                     max_num_batched_tokens=c + args.num_chats)
-    results = {}
+    results, timelines = {}, {}
     print(f"{args.num_chats} chats decoding, a {args.long_prompt_len}-token prompt arrives: the "
           "chats' time per output token until its first token, against a control run of as many "
           "steps without it")
@@ -125,9 +127,64 @@ def main(args) -> int:
         }
         r["p99_ratio"] = r["tpot_p99_ms"] / r["control_tpot_p99_ms"]
         results[name] = r
+        timelines[name] = chat_timeline(treated)
         print(f"{name:>12} {r['control_tpot_p50_ms']:10.1f}ms {r['control_tpot_p99_ms']:7.1f}ms "
               f"{r['tpot_p50_ms']:12.1f}ms {r['tpot_p99_ms']:7.1f}ms {r['p99_ratio']:9.2f}x "
               f"{r['long_prompt_ttft_s']:9.2f}s", flush=True)
-    write_json(args.json, {"benchmark": "long-prompt", "machine": machine_info(), **common,
+    machine = machine_info()
+    write_json(args.json, {"benchmark": "long-prompt", "machine": machine, **common,
                            "runs": results})
+    if args.plot:
+        plot(args.plot, results, timelines, common, machine)
     return 0
+
+
+def chat_timeline(run: dict, chat: str = "chat-0") -> list[tuple[float, float]]:
+    """One chat's token gaps as (seconds since the long prompt arrived, gap in ms), up to the
+    first token after the window: the steady decode before the arrival, then the window."""
+    times = [t for t in run["token_times"][chat] if t <= run["window_end"]]
+    later = [t for t in run["token_times"][chat] if t > run["window_end"]]
+    times += later[:1]
+    return [(b - run["arrival"], (b - a) * 1e3) for a, b in zip(times, times[1:])]
+
+
+def plot(path: str, results: dict, timelines: dict, common: dict, machine: dict) -> None:
+    """Left: one chat's time per output token around the arrival, each run a line (log scale).
+    Right: the chats' P99 TPOT until the long prompt's first token, against the control run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[1.6, 1])
+    for name, points in timelines.items():
+        xs, ys = zip(*points) if points else ((), ())
+        left.plot(xs, ys, marker=".", markersize=3, linewidth=1.2,
+                  label=f"{name} (long TTFT {results[name]['long_prompt_ttft_s']:.1f} s)")
+    left.axvline(0, color="grey", linestyle=":", linewidth=1)
+    left.set_yscale("log")
+    left.set_xlabel("seconds since the long prompt arrived")
+    left.set_ylabel("time per output token of one chat (ms)")
+    left.set_title(f"{common['num_chats']} chats decoding, a {common['long_prompt_len']}-token "
+                   "prompt arrives at 0", fontsize=10)
+    left.legend(fontsize=8)
+    names = list(results)
+    x = range(len(names))
+    right.bar([i - 0.2 for i in x], [results[n]["control_tpot_p99_ms"] for n in names], 0.4,
+              label="control (no long prompt)", color="lightgrey")
+    right.bar([i + 0.2 for i in x], [results[n]["tpot_p99_ms"] for n in names], 0.4,
+              label="with the long prompt", color="tab:red")
+    for i, n in enumerate(names):
+        right.annotate(f"{results[n]['p99_ratio']:.2f}x", (i + 0.2, results[n]["tpot_p99_ms"]),
+                       ha="center", va="bottom", fontsize=8)
+    right.set_yscale("log")
+    right.set_xticks(list(x), names, rotation=20, fontsize=8)
+    right.set_ylabel("chats' P99 TPOT until its first token (ms)")
+    right.set_title("P99 against the control run", fontsize=10)
+    right.legend(fontsize=8)
+    fig.suptitle(f"minivllm bench long-prompt — {machine['date']}, {machine['cpu_count']} CPUs, "
+                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")

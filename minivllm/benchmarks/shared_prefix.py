@@ -23,6 +23,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--question-len", type=int, default=24)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG: each request's TTFT and the KV blocks in use, caching on/off")
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=main)
@@ -56,9 +58,12 @@ def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
         engine.add_request(str(i), {"prompt_token_ids": list(p)}, params, arrival_time=start)
     finished = []
     peak_blocks = 0
+    blocks_over_time = []  # (seconds since the arrival, KV blocks in use) after every step
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
-        peak_blocks = max(peak_blocks, engine.get_stats()["kv_blocks_used"])
+        used = engine.get_stats()["kv_blocks_used"]
+        blocks_over_time.append((time.time() - start, used))
+        peak_blocks = max(peak_blocks, used)
     elapsed = time.time() - start
     stats = engine.get_stats()
     finished.sort(key=lambda o: int(o.request_id))
@@ -70,6 +75,7 @@ def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
         "peak_kv_blocks_used": peak_blocks,
         "prefix_cache_hit_tokens": stats["prefix_cache_hits"],
         "kv_blocks_used_after": stats["kv_blocks_used"],
+        "kv_blocks_over_time": blocks_over_time,
         "ttfts_s": ttfts,  # per request, in the order of ``prompts``
         "outputs": [o.outputs[0].token_ids for o in finished],
     }
@@ -99,4 +105,41 @@ def main(args) -> int:
                            "num_requests": args.num_requests, "prefix_len": args.prefix_len,
                            "caching_on": on, "caching_off": off, "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"],
                            "expected_blocks_shared": expected, "same_tokens": same})
+    if args.plot:
+        plot(args.plot, on, off, expected, args)
     return 0
+
+
+def plot(path: str, on: dict, off: dict, expected: int, args) -> None:
+    """Left: each request's time to first token, caching on and off. Right: the KV blocks in
+    use after every step, against one prefix copy plus each request's own blocks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    machine = machine_info()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r, color in (("caching on", on, "tab:green"), ("caching off", off, "tab:red")):
+        left.plot(range(len(r["ttfts_s"])), r["ttfts_s"], marker=".", color=color,
+                  label=f"{name}: mean {r['mean_ttft_s']:.2f} s")
+        xs, ys = zip(*r["kv_blocks_over_time"])
+        right.plot(xs, ys, color=color, label=f"{name}: peak {r['peak_kv_blocks_used']}")
+    left.set_xlabel("request (all arrive at once)")
+    left.set_ylabel("time to first token (s)")
+    left.set_title(f"{args.num_requests} requests, a shared {args.prefix_len}-token prefix "
+                   f"+ {args.question_len} own tokens", fontsize=10)
+    left.legend(fontsize=8)
+    right.axhline(expected, color="grey", linestyle=":", linewidth=1,
+                  label=f"one prefix copy + own blocks = {expected}")
+    right.set_xlabel("seconds since the requests arrived")
+    right.set_ylabel("KV blocks in use")
+    right.set_title(f"KV blocks ({off['peak_kv_blocks_used']} vs {on['peak_kv_blocks_used']} at "
+                    "the peak)", fontsize=10)
+    right.legend(fontsize=8)
+    fig.suptitle(f"minivllm bench shared-prefix — {machine['date']}, {machine['cpu_count']} CPUs, "
+                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
