@@ -24,7 +24,7 @@ from minivllm.benchmarks.common import machine_info, write_json
 from minivllm.utils import cdiv
 
 H200_HBM_BYTES_PER_S = 4.8e12  # the H200 datasheet: peak HBM3e bandwidth
-H200_BF16_FLOPS = 790e12  # and its dense bf16 peak
+H200_BF16_FLOPS = 989e12  # its dense bf16 peak (the SXM part, as the H100 SXM; the NVL: 835e12)
 
 FULL = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
             decode_contexts=[1024, 4096, 16384, 32768], decode_batch=32,
