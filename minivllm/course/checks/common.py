@@ -8,21 +8,12 @@ always gets the same verdict (and a solved notebook's output never changes).
 from __future__ import annotations
 
 import functools
-from typing import NoReturn
 
 import torch
 
-
-class CheckFailed(AssertionError):
-    """The learner's component does not behave like the reference; the message says how."""
-
-
-def fail(exercise: str, message: str) -> NoReturn:
-    raise CheckFailed(f"Exercise {exercise}: {message}")
-
-
-def passed(exercise: str, message: str) -> None:
-    print(f"Exercise {exercise} passed: {message}")
+from minivllm.course.grading import (  # noqa: F401 - re-exported: the graders' one vocabulary
+    CheckFailed, Delegated, Exercise, fail, first_difference, passed,
+)
 
 
 def _at(index: tuple[int, ...]) -> str:
@@ -174,8 +165,13 @@ def compare_generations(
     exercise: str, what: str, llm, prompts: list[str], got: list[list[int]], expected: list[list[int]]
 ) -> None:
     tok = llm.get_tokenizer()
+    if len(got) != len(expected):
+        fail(exercise, f"{what}, the engine returned {len(got)} outputs for {len(expected)} prompts")
     for prompt, g, e in zip(prompts, got, expected):
-        if list(g) != list(e):
-            first = next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+        first = first_difference(g, e)
+        if first is not None:
+            ended = (f" (yours has {len(g)} tokens, expected {len(e)})"
+                     if first == min(len(g), len(e)) else "")
             fail(exercise, f"{what}, the engine's greedy continuation of {prompt!r} goes wrong at "
-                           f"output token {first}: expected {tok.decode(e)!r}, got {tok.decode(g)!r}")
+                           f"output token {first}{ended}: expected {tok.decode(e)!r}, got "
+                           f"{tok.decode(g)!r}")
