@@ -100,6 +100,26 @@ def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len:
     }
 
 
+def measured_limits(n: int = 1024) -> dict:
+    """This machine's speed now, measured in the same run as the figures it qualifies: a float32
+    ``n``×``n``×``n`` matmul's GFLOP/s (the compute a prefill needs) and the GB/s ``torch.sum``
+    reads from a tensor far larger than the caches (what a decode needs)."""
+    import torch
+
+    from minivllm.benchmarks.common import median_time
+    from minivllm.benchmarks.decode_roofline import read_bandwidth
+
+    cpu = torch.device("cpu")
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gflops = 2 * n**3 / median_time(lambda: a @ b, 7, cpu) / 1e9
+    return {"matmul_gflops": gflops, "read_gb_per_s": read_bandwidth(cpu) / 1e9}
+
+
+def limits_line(limits: dict) -> str:
+    return (f"machine now: float32 matmul {limits['matmul_gflops']:.1f} GFLOP/s, torch.sum reads "
+            f"{limits['read_gb_per_s']:.1f} GB/s")
+
+
 def main(args) -> int:
     common = dict(num_chats=args.num_chats, chat_prompt_len=args.chat_prompt_len,
                   long_prompt_len=args.long_prompt_len, steady_steps=args.steady_steps,
@@ -131,7 +151,8 @@ def main(args) -> int:
         print(f"{name:>12} {r['control_tpot_p50_ms']:10.1f}ms {r['control_tpot_p99_ms']:7.1f}ms "
               f"{r['tpot_p50_ms']:12.1f}ms {r['tpot_p99_ms']:7.1f}ms {r['p99_ratio']:9.2f}x "
               f"{r['long_prompt_ttft_s']:9.2f}s", flush=True)
-    machine = machine_info()
+    machine = {**machine_info(), **measured_limits()}
+    print(limits_line(machine))
     write_json(args.json, {"benchmark": "long-prompt", "machine": machine, **common,
                            "runs": results})
     if args.plot:
@@ -183,7 +204,8 @@ def plot(path: str, results: dict, timelines: dict, common: dict, machine: dict)
     right.set_title("P99 against the control run", fontsize=10)
     right.legend(fontsize=8)
     fig.suptitle(f"minivllm bench long-prompt — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}", fontsize=9)
+                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}; "
+                 f"{limits_line(machine)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,6 +13,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, write_json
+from minivllm.benchmarks.long_prompt import limits_line, measured_limits
 from minivllm.utils import cdiv
 
 
@@ -101,16 +102,18 @@ def main(args) -> int:
     print(f"  mean TTFT {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching; blocks with "
           f"caching: {on['peak_kv_blocks_used']} (one prefix copy + own blocks = {expected})")
     print(f"  same greedy tokens both ways: {same}")
-    write_json(args.json, {"benchmark": "shared-prefix", "machine": machine_info(),
+    machine = {**machine_info(), **measured_limits()}
+    print(limits_line(machine))
+    write_json(args.json, {"benchmark": "shared-prefix", "machine": machine,
                            "num_requests": args.num_requests, "prefix_len": args.prefix_len,
                            "caching_on": on, "caching_off": off, "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"],
                            "expected_blocks_shared": expected, "same_tokens": same})
     if args.plot:
-        plot(args.plot, on, off, expected, args)
+        plot(args.plot, on, off, expected, args, machine)
     return 0
 
 
-def plot(path: str, on: dict, off: dict, expected: int, args) -> None:
+def plot(path: str, on: dict, off: dict, expected: int, args, machine: dict) -> None:
     """Left: each request's time to first token, caching on and off. Right: the KV blocks in
     use after every step, against one prefix copy plus each request's own blocks."""
     import matplotlib
@@ -118,7 +121,6 @@ def plot(path: str, on: dict, off: dict, expected: int, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    machine = machine_info()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, r, color in (("caching on", on, "tab:green"), ("caching off", off, "tab:red")):
         left.plot(range(len(r["ttfts_s"])), r["ttfts_s"], marker=".", color=color,
@@ -138,7 +140,8 @@ def plot(path: str, on: dict, off: dict, expected: int, args) -> None:
                     "the peak)", fontsize=10)
     right.legend(fontsize=8)
     fig.suptitle(f"minivllm bench shared-prefix — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}", fontsize=9)
+                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}; "
+                 f"{limits_line(machine)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
