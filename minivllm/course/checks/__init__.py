@@ -16,8 +16,8 @@ from minivllm.course.checks.hotpath import (
     check_capture_sizes, check_graph_runner, check_persistent_batch,
 )
 from minivllm.course.checks.kernels import (
-    check_fused_add_rms_norm, check_online_softmax, check_online_softmax_kernel, check_paged_decode,
-    check_split_decode,
+    check_bias_add, check_fused_add_rms_norm, check_online_softmax, check_online_softmax_kernel,
+    check_paged_decode, check_row_sums, check_split_decode, check_tiled_matmul,
 )
 from minivllm.course.checks.model import check_gqa_attention, check_rms_norm, check_rotary
 from minivllm.course.checks.paged import check_paged_attention, check_slot_mapping
@@ -47,6 +47,9 @@ __all__ = [
     "check_detokenizer",
     "check_chat_stream",
     "check_benchmark_metrics",
+    "check_bias_add",
+    "check_row_sums",
+    "check_tiled_matmul",
     "check_fused_add_rms_norm",
     "check_online_softmax",
     "check_online_softmax_kernel",

@@ -1,24 +1,28 @@
-"""Checkers for chapter 09 (Triton kernels): fused add + RMSNorm, the online-softmax update,
-the block-table tile load, the split-K reduction.
+"""Checkers for chapter 09 (Triton kernels): three warm-up puzzles (a 2-D grid, a tiled
+reduction, a tiled ``tl.dot``), then the pieces of the real kernels: fused add + RMSNorm, the
+online-softmax update, the block-table tile load, the split-K reduction.
 
 Each learner kernel is reached through a small Python function the exercise notebook gives
-(its launcher), so a checker only calls tensors in, tensors out. Cases are tiny (the kernels
-run in Triton's interpreter on a CPU) but awkward: rows whose width is not a power of two,
-contexts that end inside a block and inside a tile, block tables in random order and longer
-than needed, more partitions than a short sequence fills. Then the learner's kernel replaces
-the package's inside the engine, on a tiny random-weight Llama (two layers, 4 query heads over
-2 KV heads), and the greedy tokens must be the reference engine's, token for token.
+(its launcher), so a checker only calls tensors in, tensors out; the grading cell also passes
+the learner's ``@triton.jit`` piece, and the checker makes sure it ran. Cases are tiny (the
+kernels run in Triton's interpreter on a CPU), drawn at grading time (a failure names the seed
+that repeats it) and awkward: rows whose width is not a power of two, contexts that end inside
+a block and inside a tile, block tables in random order and longer than needed, more partitions
+than a short sequence fills. Then the learner's kernel replaces the package's inside the engine,
+on a tiny random-weight Llama (two layers, 4 query heads over 2 KV heads), and the greedy tokens
+must be the reference engine's, token for token.
 
-While a checker runs, the package's own kernels for the exercise raise instead of computing
-(``package_kernels_hidden``): a launcher that hands the work to ``minivllm.kernels`` fails,
-saying so.
+A launcher or kernel that hands the work to the package's own kernels (``minivllm.kernels``) or
+to its torch references fails, saying so, however it got hold of them (see below).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import random
+import types
 from contextlib import contextmanager
 
 import torch
@@ -33,36 +37,195 @@ from minivllm.course.checks.common import (
 from minivllm.model.layers import rms_norm as reference_rms_norm
 
 # -- the package's kernels, out of reach while a learner's runs ----------------------------------
+#
+# Two guards, both keyed on the identity of the package's objects (so an alias, a re-import under
+# the expected name, or a fresh ``triton.jit`` of the package's Python function are all caught):
+#
+# * before any case runs, ``refuse_delegation`` follows what the learner's launcher and kernel
+#   reach by name (globals named in their code, closures, defaults, attributes of modules named
+#   in their code, a JIT function's Python function) and fails if it meets one of the package's
+#   kernels or torch references, or their code;
+# * while the learner's code runs, ``package_kernels_hidden`` makes those objects refuse to run
+#   (a Python function's code is swapped; a Triton function's launch and device call raise), which
+#   also catches what is fetched at run time (``importlib.import_module``).
 
-HIDDEN = {  # exercise -> (module, attribute) of minivllm's own version
-    "9.1": [("minivllm.kernels.rms_norm", "rms_norm")],
-    "9.2": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
-    "9.3": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
-    "9.4": [("minivllm.kernels.decode_attention", "paged_decode_attention")],
+KERNEL_MODULES = ("rms_norm", "attention_tile", "decode_attention", "prefill_attention",
+                  "activation", "rotary_embedding", "reshape_and_cache")
+TORCH_REFERENCES = {  # the package's plain-torch versions of what chapter 09's exercises write
+    "minivllm.attention.torch_backend": ("paged_decode_attention", "paged_prefill_attention",
+                                         "gather_context", "gather_blocks", "attend_group",
+                                         "attend_decodes_by_rows"),
+    "minivllm.model.layers": ("rms_norm",),
 }
 
+_hiding: list[str] = []  # the exercise being graded while the package's objects are hidden
 
-@contextmanager
-def package_kernels_hidden(exercise: str):
-    """The package's kernels for ``exercise`` raise CheckFailed while the block runs."""
-    saved = []
-    for module_name, attr in HIDDEN.get(exercise, []):
+
+def _is_triton_function(obj) -> bool:
+    try:
+        from triton.runtime.jit import KernelInterface
+    except ImportError:
+        return False
+    return isinstance(obj, KernelInterface) and inspect.isfunction(getattr(obj, "fn", None))
+
+
+@functools.lru_cache(maxsize=1)
+def package_objects() -> dict[int, tuple[object, str]]:
+    """id -> (object, dotted name) for every kernel, launcher and torch reference the learner
+    must not hand the work to, plus their Python functions and code objects."""
+    found: dict[int, tuple[object, str]] = {}
+
+    def add(obj, name):
+        fn = obj.fn if _is_triton_function(obj) else obj
+        if inspect.isfunction(fn):  # named where it is defined, not where it was imported
+            name = f"{fn.__module__}.{fn.__qualname__}"
+        found[id(obj)] = (obj, name)
+        if inspect.isfunction(fn):
+            found[id(fn)] = (fn, name)
+            found[id(fn.__code__)] = (fn.__code__, name)
+
+    for short in KERNEL_MODULES:
+        module_name = f"minivllm.kernels.{short}"
         try:
             module = importlib.import_module(module_name)
         except ImportError:  # no triton: nothing to hide
             continue
+        for attr, value in vars(module).items():
+            if _is_triton_function(value) or (inspect.isfunction(value)
+                                              and value.__module__ == module_name):
+                add(value, f"{module_name}.{attr}")
+    for module_name, attrs in TORCH_REFERENCES.items():
+        module = importlib.import_module(module_name)
+        for attr in attrs:
+            add(getattr(module, attr), f"{module_name}.{attr}")
+    return found
 
-        def refuse(*args, _name=f"{module_name}.{attr}", **kwargs):
-            fail(exercise, f"your code called {_name}, the package's own kernel: the exercise asks "
-                           "you to write it (the grader hides minivllm's version)")
 
-        saved.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, refuse)
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+LIBRARIES = ("torch", "triton", "numpy", "builtins", "math", "functools", "typing")
+
+
+def _reached(roots, limit: int = 5000):
+    """(object, how it was reached) for everything the roots name, transitively."""
+    stack = [(root, getattr(root, "__name__", type(root).__name__), ()) for root in roots]
+    seen = set()
+    while stack and len(seen) < limit:
+        obj, path, names = stack.pop()
+        if isinstance(obj, types.ModuleType):  # follow only the attributes the code names
+            key = (id(obj), frozenset(names))
+            if key in seen or not obj.__name__.startswith("minivllm"):
+                continue
+            seen.add(key)
+            stack += [(getattr(obj, n), f"{path}.{n}", names) for n in names if hasattr(obj, n)]
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield obj, path
+        if _is_triton_function(obj):
+            stack.append((obj.fn, path, ()))
+        elif isinstance(obj, functools.partial):
+            stack += [(x, path, ()) for x in (obj.func, *obj.args, *obj.keywords.values())]
+        elif inspect.ismethod(obj):
+            stack.append((obj.__func__, path, ()))
+        elif inspect.isfunction(obj):
+            yield obj.__code__, path
+            if (obj.__module__ or "").split(".")[0] in LIBRARIES:
+                continue
+            code_names = _code_names(obj.__code__)
+            for n in code_names:
+                if n in obj.__globals__:
+                    stack.append((obj.__globals__[n], n, code_names))
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append((cell.cell_contents, path, code_names))
+                except ValueError:  # an empty cell
+                    pass
+            stack += [(x, path, ()) for x in (obj.__defaults__ or ())]
+            stack += [(x, path, ()) for x in (obj.__kwdefaults__ or {}).values()]
+        elif isinstance(obj, type) and (obj.__module__ or "").split(".")[0] not in LIBRARIES:
+            stack += [(x, f"{path}.{k}", ()) for k, x in vars(obj).items()]
+            stack += [(base, path, ()) for base in obj.__bases__ if base is not object]
+        elif callable(obj) and not isinstance(obj, type) and hasattr(type(obj), "__call__") \
+                and (type(obj).__module__ or "").split(".")[0] not in LIBRARIES:
+            stack.append((type(obj), path, ()))
+
+
+def refuse_delegation(exercise: str, *learner) -> None:
+    """Fail if the learner's code reaches one of the package's kernels or references."""
+    package = package_objects()
+    for obj, path in _reached([x for x in learner if x is not None]):
+        if id(obj) in package and package[id(obj)][0] is obj:
+            fail(exercise, f"your code reaches {package[id(obj)][1]} (as `{path}`), the package's "
+                           "own version: the exercise asks you to write it yourself, with Triton "
+                           "(the grader hides minivllm's version)")
+
+
+class _Refuse:
+    """What a hidden object runs instead of itself."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise hidden(self.name)
+
+
+def hidden(name: str) -> CheckFailed:
+    exercise = _hiding[-1] if _hiding else "9"
+    return CheckFailed(f"Exercise {exercise}: your code called {name}, the package's own version: "
+                       "the exercise asks you to write it (the grader hides minivllm's version)")
+
+
+def _refusing_code(fn):
+    source = (f"def {fn.__name__}(*args, **kwargs):\n"
+              f"    raise __import__('{__name__}', fromlist=['hidden']).hidden("
+              f"{fn.__module__ + '.' + fn.__qualname__!r})\n")
+    scope: dict = {}
+    exec(compile(source, fn.__code__.co_filename, "exec"), {}, scope)
+    return scope[fn.__name__].__code__
+
+
+@contextmanager
+def package_kernels_hidden(exercise: str):
+    """While the block runs, every object of ``package_objects`` raises CheckFailed when called,
+    launched, or called from inside a kernel, whatever name the caller holds it by."""
+    undo = []
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        InterpretedFunction = None
+    for obj, name in {id(o): (o, n) for o, n in package_objects().values()}.values():
+        if _is_triton_function(obj):
+            refuse = _Refuse(name)
+            obj.run = refuse  # a launch: kernel[grid](...)
+            undo.append(lambda obj=obj: obj.__dict__.pop("run", None))
+            if InterpretedFunction is not None and isinstance(obj, InterpretedFunction):
+                obj.rewrite = lambda refuse=refuse: refuse  # a call from inside a kernel
+                undo.append(lambda obj=obj: obj.__dict__.pop("rewrite", None))
+                cache = InterpretedFunction.rewritten_fn  # a fresh triton.jit of the same fn
+                before = cache.get(obj.fn)
+                cache[obj.fn] = refuse
+                undo.append(lambda fn=obj.fn, before=before: (
+                    cache.__setitem__(fn, before) if before is not None else cache.pop(fn, None)))
+        elif inspect.isfunction(obj) and not obj.__code__.co_freevars:
+            original = obj.__code__
+            obj.__code__ = _refusing_code(obj)
+            undo.append(lambda obj=obj, original=original: setattr(obj, "__code__", original))
+    _hiding.append(exercise)
     try:
         yield
     finally:
-        for module, attr, original in saved:
-            setattr(module, attr, original)
+        _hiding.pop()
+        for step in reversed(undo):
+            step()
 
 
 def _call(exercise: str, fn, *args, **kwargs):
@@ -79,6 +242,57 @@ def _call(exercise: str, fn, *args, **kwargs):
             if cause is not e and isinstance(cause, (NotImplementedError, CheckFailed)):
                 raise cause from None
             raise
+
+
+@contextmanager
+def counting_runs(piece, launched: bool):
+    """Count how often the learner's Triton ``piece`` ran: launches of a kernel, or calls of a
+    device function from inside a kernel (the latter only in the interpreter; compiled, the
+    call is inlined). Yields a one-element list, or None where nothing can be counted."""
+    if not _is_triton_function(piece):
+        yield None
+        return
+    count = [0]
+    if launched:
+        def run(*args, **kwargs):
+            count[0] += 1
+            return type(piece).run(piece, *args, **kwargs)
+
+        piece.run = run
+        undo = "run"
+    else:
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:
+            InterpretedFunction = None
+        if InterpretedFunction is None or not isinstance(piece, InterpretedFunction):
+            yield None
+            return
+        real = type(piece).rewrite(piece)
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return real(*args, **kwargs)
+
+        piece.rewrite = lambda: counted
+        undo = "rewrite"
+    try:
+        yield count
+    finally:
+        piece.__dict__.pop(undo, None)
+
+
+def _grade(exercise: str, launcher, piece, launched: bool, run_cases) -> None:
+    """Refuse delegation, then run the cases (``run_cases()``) counting the learner's piece."""
+    if piece is not None and not _is_triton_function(piece):
+        fail(exercise, f"expected your @triton.jit function, got {type(piece).__name__}")
+    refuse_delegation(exercise, launcher, piece)
+    with counting_runs(piece, launched) as count:
+        run_cases()
+    if count is not None and count[0] == 0:
+        fail(exercise, f"the cases passed without running your {piece.__name__}: the launcher must "
+                       f"{'launch' if launched else 'reach it through the given kernel, which calls'}"
+                       " it")
 
 
 # -- the tiny model the kernels are plugged into -------------------------------------------------
@@ -126,9 +340,13 @@ def _reference_tokens() -> tuple:
 
 def _compare_in_engine(exercise: str, what: str, got: list[list[int]]) -> None:
     expected = _reference_tokens()
+    if len(got) != len(expected):
+        fail(exercise, f"with your {what} inside the engine, {len(got)} requests finished, "
+                       f"expected {len(expected)}")
     for i, (g, e) in enumerate(zip(got, expected)):
         if tuple(g) != tuple(e):
-            first = next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
+            # the first token that differs; a strict prefix differs where the shorter one ends
+            first = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
             fail(exercise, f"with your {what} inside the engine (tiny Llama, greedy), request {i}'s "
                            f"output goes wrong at token {first}: expected {list(e)}, got {list(g)}")
 
@@ -183,7 +401,112 @@ def _decode_in_engine(exercise: str, what: str, decode) -> None:
     _compare_in_engine(exercise, what, got)
 
 
-# -- Exercise 9.1: fused add + RMSNorm -----------------------------------------------------------
+def _seeded(exercise: str, seed: int | None):
+    """(generator, seed): cases are drawn at grading time unless a seed is given, so no stored
+    answer can pass; a failure names the seed that repeats it."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2 ** 31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _graded(exercise: str, seed: int, launcher, piece, launched: bool, run_cases) -> None:
+    try:
+        _grade(exercise, launcher, piece, launched, run_cases)
+    except CheckFailed as e:
+        raise CheckFailed(f"{e} [cases drawn with seed={seed}: pass seed={seed} to the checker to "
+                          "repeat them]") from None
+
+
+# -- Warm-up puzzles 9.1-9.3: a 2-D grid, a tiled reduction, tl.dot ------------------------------
+
+BIAS_CONVENTION = (
+    "Expected: out[i, j] = x[i, j] + bias[j] for x [rows, cols] (row stride cols), float32. The "
+    "grid is (row tiles, column tiles): program (pid_r, pid_c) owns rows pid_r * BLOCK_R + "
+    "arange(BLOCK_R) and columns pid_c * BLOCK_C + arange(BLOCK_C), masked to the matrix.")
+
+
+def check_bias_add(add_bias, kernel=None, exercise: str = "9.1", seed: int | None = None) -> None:
+    """``add_bias(x [rows, cols], bias [cols]) -> [rows, cols]``, through the learner's kernel."""
+    g, seed = _seeded(exercise, seed)
+    shapes = [(1, 1), (3, 5), (16, 16), (17, 33)] + [
+        (int(torch.randint(2, 40, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g)))
+        for _ in range(2)]
+
+    def cases():
+        for shape in shapes:
+            x, bias = torch.randn(shape, generator=g), torch.randn(shape[1], generator=g)
+            got = _call(exercise, add_bias, x.clone(), bias.clone())
+            hint = None
+            if isinstance(got, torch.Tensor) and got.shape == x.shape and shape[0] == shape[1] > 1 \
+                    and torch.allclose(got, x + bias[:, None]):
+                hint = "bias is indexed by the column, not the row."
+            compare_tensors(exercise, f"add_bias(x of shape {shape})", got, x + bias, 1e-6, 1e-6,
+                            BIAS_CONVENTION, hint)
+
+    _graded(exercise, seed, add_bias, kernel, True, cases)
+    passed(exercise, f"your kernel adds the bias on {len(shapes)} random shapes, edges masked.")
+
+
+ROW_SUM_CONVENTION = (
+    "Expected: out[i] = x[i, :].sum() for x [rows, cols] (row stride cols), float32, one program "
+    "per row. Rows are longer than BLOCK: loop over the row in tiles of BLOCK columns, masking the "
+    "last, and accumulate.")
+
+
+def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | None = None) -> None:
+    """``row_sums(x [rows, cols]) -> [rows]``: a tiled reduction in the learner's kernel."""
+    g, seed = _seeded(exercise, seed)
+    shapes = [(1, 1), (2, 16), (3, 17), (4, 100)] + [
+        (int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(33, 130, (1,), generator=g)))
+        for _ in range(2)]
+
+    def cases():
+        for shape in shapes:
+            x = torch.randn(shape, generator=g)
+            got = _call(exercise, row_sums, x.clone())
+            hint = None
+            if isinstance(got, torch.Tensor) and got.shape == (shape[0],) and shape[1] > 16:
+                if torch.allclose(got, x[:, :16].sum(1), atol=1e-4):
+                    hint = "only the first tile was summed: loop over the whole row."
+                elif torch.allclose(got, x[:, -(shape[1] % 16 or 16):].sum(1), atol=1e-4):
+                    hint = "each tile replaced the sum instead of adding to it."
+            compare_tensors(exercise, f"row_sums(x of shape {shape})", got, x.sum(1), 1e-4, 1e-4,
+                            ROW_SUM_CONVENTION, hint)
+
+    _graded(exercise, seed, row_sums, kernel, True, cases)
+    passed(exercise, f"your tiled reduction sums {len(shapes)} random matrices, rows of 1 to "
+                     "129 columns in tiles of 16.")
+
+
+MATMUL_CONVENTION = (
+    "Expected: out = a @ b for a [M, K], b [K, N] (contiguous), float32. Program (pid_m, pid_n) "
+    "computes the [BLOCK, BLOCK] tile of out at rows pid_m * BLOCK and columns pid_n * BLOCK, "
+    "looping over K in steps of BLOCK: acc += tl.dot(a_tile, b_tile), loads masked (other=0).")
+
+
+def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | None = None) -> None:
+    """``matmul(a [M, K], b [K, N]) -> [M, N]`` through the learner's tiled tl.dot kernel."""
+    g, seed = _seeded(exercise, seed)
+    shapes = [(1, 1, 1), (16, 16, 16), (5, 7, 3), (33, 40, 17)] + [
+        tuple(int(torch.randint(2, 40, (1,), generator=g)) for _ in range(3)) for _ in range(2)]
+
+    def cases():
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+            got = _call(exercise, matmul, a.clone(), b.clone())
+            hint = None
+            if isinstance(got, torch.Tensor) and got.shape == (m, n) and k > 16 and torch.allclose(
+                    got, a[:, -(k % 16 or 16):] @ b[-(k % 16 or 16):], atol=1e-3):
+                hint = "only the last K tile counts: add each tile's tl.dot to the accumulator."
+            compare_tensors(exercise, f"matmul(a {m}x{k}, b {k}x{n})", got, a @ b, 1e-4, 1e-4,
+                            MATMUL_CONVENTION, hint)
+
+    _graded(exercise, seed, matmul, kernel, True, cases)
+    passed(exercise, f"your tiled matmul matches a @ b on {len(shapes)} random shapes (edges "
+                     "masked, K looped in tiles).")
+
+
+# -- Exercise 9.4: fused add + RMSNorm -----------------------------------------------------------
 
 ADD_NORM_CONVENTION = (
     "Expected: new_residual = x + residual, rounded to x's dtype; out = new_residual / "
@@ -191,56 +514,61 @@ ADD_NORM_CONVENTION = (
     "dtype, then multiplied by weight. Returns (out, new_residual), both shaped like x.")
 
 
-def check_fused_add_rms_norm(fused_add_rms_norm, exercise: str = "9.1", seed: int = 0) -> None:
+def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9.4",
+                             seed: int | None = None) -> None:
     """``fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)``."""
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
-    for shape in [(1, 64), (3, 100), (5, 7), (2, 3, 33)]:
-        for dtype in (torch.float32, torch.bfloat16):
-            for eps in (1e-6, 0.5):
-                x = (torch.randn(shape, generator=g) * 3).to(dtype)
-                residual = torch.randn(shape, generator=g).to(dtype)
-                weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
-                want_out, want_res = reference_rms_norm(x, weight, eps, residual)
-                got = _call(exercise, fused_add_rms_norm, x.clone(), residual.clone(),
-                            weight.clone(), eps)
-                what = f"fused_add_rms_norm(x of shape {shape}, {dtype}, eps={eps:g})"
-                if not (isinstance(got, tuple) and len(got) == 2):
-                    fail(exercise, f"{what}: expected a tuple (out, new_residual), got "
-                                   f"{type(got).__name__}. {ADD_NORM_CONVENTION}")
-                tol = 1e-5 if dtype == torch.float32 else 2e-2
-                hint = None
-                if isinstance(got[0], torch.Tensor) and got[0].shape == x.shape:
-                    plain = reference_rms_norm(x, weight, eps)
-                    if torch.allclose(got[0].float(), plain.float(), atol=tol, rtol=tol):
-                        hint = "out is the norm of x alone: normalise x + residual."
-                compare_tensors(exercise, f"{what}, new_residual", got[1], want_res, tol, tol,
-                                ADD_NORM_CONVENTION)
-                compare_tensors(exercise, f"{what}, out", got[0], want_out, tol, tol,
-                                ADD_NORM_CONVENTION, hint)
-                cases += 1
+    g, seed = _seeded(exercise, seed)
+    cases = []
 
-    def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, through the kernel
-        if residual is None:
-            return _call(exercise, fused_add_rms_norm, x, torch.zeros_like(x), weight, eps)[0]
-        return _call(exercise, fused_add_rms_norm, x, residual, weight, eps)
+    def run_cases():
+        for shape in [(1, 64), (3, 100), (5, 7), (2, 3, 33)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                for eps in (1e-6, 0.5):
+                    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+                    residual = torch.randn(shape, generator=g).to(dtype)
+                    weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
+                    want_out, want_res = reference_rms_norm(x, weight, eps, residual)
+                    got = _call(exercise, fused_add_rms_norm, x.clone(), residual.clone(),
+                                weight.clone(), eps)
+                    what = f"fused_add_rms_norm(x of shape {shape}, {dtype}, eps={eps:g})"
+                    if not (isinstance(got, tuple) and len(got) == 2):
+                        fail(exercise, f"{what}: expected a tuple (out, new_residual), got "
+                                       f"{type(got).__name__}. {ADD_NORM_CONVENTION}")
+                    tol = 1e-5 if dtype == torch.float32 else 2e-2
+                    hint = None
+                    if isinstance(got[0], torch.Tensor) and got[0].shape == x.shape:
+                        plain = reference_rms_norm(x, weight, eps)
+                        if torch.allclose(got[0].float(), plain.float(), atol=tol, rtol=tol):
+                            hint = "out is the norm of x alone: normalise x + residual."
+                    compare_tensors(exercise, f"{what}, new_residual", got[1], want_res, tol, tol,
+                                    ADD_NORM_CONVENTION)
+                    compare_tensors(exercise, f"{what}, out", got[0], want_out, tol, tol,
+                                    ADD_NORM_CONVENTION, hint)
+                    cases.append(what)
 
-    from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
+        def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, through the kernel
+            if residual is None:
+                return _call(exercise, fused_add_rms_norm, x, torch.zeros_like(x), weight, eps)[0]
+            return _call(exercise, fused_add_rms_norm, x, residual, weight, eps)
 
-    llm = tiny_engine()
-    _reference_tokens()
-    model = _runner(llm).model
-    try:
-        use_elementwise_ops(model, {"rms_norm": norm_op})
-        got = _greedy(llm)
-    finally:
-        use_elementwise_ops(model, NATIVE_OPS)
-    _compare_in_engine(exercise, "fused_add_rms_norm in every norm", got)
-    passed(exercise, f"fused_add_rms_norm matches the reference on {cases} random cases, and the "
-                     "tiny Llama with your kernel in every norm generates the reference tokens.")
+        from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
+
+        llm = tiny_engine()
+        _reference_tokens()
+        model = _runner(llm).model
+        try:
+            use_elementwise_ops(model, {"rms_norm": norm_op})
+            got = _greedy(llm)
+        finally:
+            use_elementwise_ops(model, NATIVE_OPS)
+        _compare_in_engine(exercise, "fused_add_rms_norm in every norm", got)
+
+    _graded(exercise, seed, fused_add_rms_norm, kernel, True, run_cases)
+    passed(exercise, f"fused_add_rms_norm matches the reference on {len(cases)} random cases, and "
+                     "the tiny Llama with your kernel in every norm generates the reference tokens.")
 
 
-# -- Exercise 9.2: the online-softmax update -----------------------------------------------------
+# -- Exercise 9.5: the online-softmax update -----------------------------------------------------
 
 ONLINE_CONVENTION = (
     "Expected: with scores s [rows, tile] in base 2 (softmax weights are 2**s; -inf where masked) "
@@ -258,43 +586,51 @@ def _tiles(n: int, sizes: list[int]):
         i += 1
 
 
-def check_online_softmax(online_softmax_update, exercise: str = "9.2", seed: int = 0) -> None:
+def check_online_softmax(online_softmax_update, exercise: str = "9.5",
+                         seed: int | None = None) -> None:
     """``online_softmax_update(s, v, m, l, acc) -> (m, l, acc)`` in torch, folded tile by tile."""
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
-    for rows, n, d in ((1, 5, 4), (4, 37, 16), (8, 64, 8), (3, 130, 32)):
-        for sizes in ([16], [1], [7, 3, 16], [n]):
-            for spread in (1.0, 30.0):
-                s = torch.randn(rows, n, generator=g) * spread
-                # a causal-like mask: row r sees the first n - r keys (never fewer than one)
-                keep = torch.arange(n)[None, :] < (n - torch.arange(rows))[:, None].clamp(min=1)
-                s = s.masked_fill(~keep, float("-inf"))
-                v = torch.randn(n, d, generator=g)
-                m = torch.full((rows,), float("-inf"))
-                l, acc = torch.zeros(rows), torch.zeros(rows, d)
-                for a, b in _tiles(n, sizes):
-                    got = online_softmax_update(s[:, a:b].clone(), v[a:b].clone(), m, l, acc)
-                    if not (isinstance(got, tuple) and len(got) == 3):
-                        fail(exercise, f"expected a tuple (m, l, acc), got {type(got).__name__}. "
-                                       f"{ONLINE_CONVENTION}")
-                    m, l, acc = got
-                what = f"{rows} rows of {n} scores (spread {spread:g}) in tiles of {sizes}"
-                compare_tensors(exercise, f"{what}: the running max m", m, s.max(dim=1).values,
-                                1e-6, 1e-6, ONLINE_CONVENTION)
-                expected = torch.softmax(s * 0.6931471805599453, dim=1) @ v  # 2**s = e**(s ln 2)
-                hint = None
-                if isinstance(acc, torch.Tensor) and isinstance(l, torch.Tensor) and acc.shape == (
-                        rows, d):
-                    natural = torch.softmax(s, dim=1) @ v
-                    if torch.allclose(acc / l[:, None], natural, atol=1e-4, rtol=1e-4) and spread > 1:
-                        hint = "you used e**s; the scores are in base 2: use 2**s (exp2)."
-                compare_tensors(exercise, f"{what}: acc / l after the last tile", acc / l[:, None],
-                                expected, 1e-4, 1e-4, ONLINE_CONVENTION, hint)
-                cases += 1
-    _decode_in_engine(exercise, "online_softmax_update (a torch decode attention folding tiles "
-                                "of 8 keys)", _tiled_torch_decode(online_softmax_update))
-    passed(exercise, f"online_softmax_update matches softmax over {cases} random score matrices cut "
-                     "into tiles, and the tiny Llama decoding with it generates the reference tokens.")
+    g, seed = _seeded(exercise, seed)
+    cases = []
+
+    def run_cases():
+        for rows, n, d in ((1, 5, 4), (4, 37, 16), (8, 64, 8), (3, 130, 32)):
+            for sizes in ([16], [1], [7, 3, 16], [n]):
+                for spread in (1.0, 30.0):
+                    s = torch.randn(rows, n, generator=g) * spread
+                    # a causal-like mask: row r sees the first n - r keys (never fewer than one)
+                    keep = torch.arange(n)[None, :] < (n - torch.arange(rows))[:, None].clamp(min=1)
+                    s = s.masked_fill(~keep, float("-inf"))
+                    v = torch.randn(n, d, generator=g)
+                    m = torch.full((rows,), float("-inf"))
+                    l, acc = torch.zeros(rows), torch.zeros(rows, d)
+                    for a, b in _tiles(n, sizes):
+                        got = _call(exercise, online_softmax_update, s[:, a:b].clone(),
+                                    v[a:b].clone(), m, l, acc)
+                        if not (isinstance(got, tuple) and len(got) == 3):
+                            fail(exercise, f"expected a tuple (m, l, acc), got "
+                                           f"{type(got).__name__}. {ONLINE_CONVENTION}")
+                        m, l, acc = got
+                    what = f"{rows} rows of {n} scores (spread {spread:g}) in tiles of {sizes}"
+                    compare_tensors(exercise, f"{what}: the running max m", m,
+                                    s.max(dim=1).values, 1e-6, 1e-6, ONLINE_CONVENTION)
+                    expected = torch.softmax(s * 0.6931471805599453, dim=1) @ v  # 2**s = e**(s ln 2)
+                    hint = None
+                    if isinstance(acc, torch.Tensor) and isinstance(l, torch.Tensor) and \
+                            acc.shape == (rows, d):
+                        natural = torch.softmax(s, dim=1) @ v
+                        if torch.allclose(acc / l[:, None], natural, atol=1e-4, rtol=1e-4) \
+                                and spread > 1:
+                            hint = "you used e**s; the scores are in base 2: use 2**s (exp2)."
+                    compare_tensors(exercise, f"{what}: acc / l after the last tile",
+                                    acc / l[:, None], expected, 1e-4, 1e-4, ONLINE_CONVENTION, hint)
+                    cases.append(what)
+        _decode_in_engine(exercise, "online_softmax_update (a torch decode attention folding "
+                                    "tiles of 8 keys)", _tiled_torch_decode(online_softmax_update))
+
+    _graded(exercise, seed, online_softmax_update, None, False, run_cases)
+    passed(exercise, f"online_softmax_update matches softmax over {len(cases)} random score "
+                     "matrices cut into tiles, and the tiny Llama decoding with it generates the "
+                     "reference tokens.")
 
 
 LOG2E = 1.4426950408889634
@@ -328,32 +664,38 @@ CONTIGUOUS_CONVENTION = (
     "head h // (heads // kv_heads).")
 
 
-def check_online_softmax_kernel(attention, exercise: str = "9.2", seed: int = 0) -> None:
+def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
+                                seed: int | None = None) -> None:
     """``attention(q [heads, d], k [n, kv_heads, d], v, scale) -> [heads, d]``: the notebook's
-    kernel, folding tiles with the learner's ``tl`` online-softmax update."""
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
-    for heads, kv_heads, d in ((4, 2, 16), (3, 3, 8), (8, 1, 32)):
-        for n in (1, 15, 16, 17, 70):
-            for spread in (1.0, 20.0):
-                q = torch.randn(heads, d, generator=g) * spread
-                k = torch.randn(n, kv_heads, d, generator=g)
-                v = torch.randn(n, kv_heads, d, generator=g)
-                scale = d ** -0.5
-                group = heads // kv_heads
-                kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                expected = torch.einsum("hs,shd->hd", torch.softmax(
-                    torch.einsum("hd,shd->hs", q, kk) * scale, dim=-1), vv)
-                got = _call(exercise, attention, q.clone(), k.clone(), v.clone(), scale)
-                compare_tensors(exercise, f"attention of {heads} query heads over {n} keys "
-                                f"({kv_heads} KV heads, d={d}, query spread {spread:g})", got,
-                                expected, 1e-4, 1e-4, CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION)
-                cases += 1
+    kernel, folding tiles with the learner's ``tl`` online-softmax update ``update``."""
+    g, seed = _seeded(exercise, seed)
+    cases = []
+
+    def run_cases():
+        for heads, kv_heads, d in ((4, 2, 16), (3, 3, 8), (8, 1, 32)):
+            for n in (1, 15, 16, 17, 70):
+                for spread in (1.0, 20.0):
+                    q = torch.randn(heads, d, generator=g) * spread
+                    k = torch.randn(n, kv_heads, d, generator=g)
+                    v = torch.randn(n, kv_heads, d, generator=g)
+                    scale = d ** -0.5
+                    group = heads // kv_heads
+                    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                    expected = torch.einsum("hs,shd->hd", torch.softmax(
+                        torch.einsum("hd,shd->hs", q, kk) * scale, dim=-1), vv)
+                    got = _call(exercise, attention, q.clone(), k.clone(), v.clone(), scale)
+                    compare_tensors(exercise, f"attention of {heads} query heads over {n} keys "
+                                    f"({kv_heads} KV heads, d={d}, query spread {spread:g})", got,
+                                    expected, 1e-4, 1e-4,
+                                    CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION)
+                    cases.append(n)
+
+    _graded(exercise, seed, attention, update, False, run_cases)
     passed(exercise, f"the kernel with your tl online-softmax update matches softmax attention on "
-                     f"{cases} random cases (contexts of 1 to 70 keys in tiles of 16).")
+                     f"{len(cases)} random cases (contexts of 1 to 70 keys in tiles of 16).")
 
 
-# -- Exercises 9.3 and 9.4: paged decode attention, one partition or several ----------------------
+# -- Exercises 9.6 and 9.7: paged decode attention, one partition or several ----------------------
 
 PAGED_CONVENTION = (
     "Expected: for each sequence i, the attention of its query q[i] [heads, d] over its first "
@@ -365,7 +707,8 @@ PAGED_CONVENTION = (
 def _paged_cases(g: torch.Generator, extra_splits: bool):
     """(q, kv_cache, block_tables, seq_lens, scale, label, num_splits) on scattered blocks."""
     for heads, kv_heads, d, block_size in ((4, 2, 16, 8), (2, 2, 8, 4), (8, 1, 32, 16)):
-        for lens in ([1], [5, 64, 17], [33, 8, 1, 90]):
+        drawn = [int(x) for x in torch.randint(1, 100, (3,), generator=g)]
+        for lens in ([1], [5, 64, 17], [33, 8, 1, 90], drawn):
             num_blocks = 64
             cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g)
             width = max(-(-n // block_size) for n in lens) + 2  # tables longer than needed
@@ -399,22 +742,28 @@ def _paged_hint(got, q, cache, tables, seq_lens, scale) -> str | None:
     return None
 
 
-def check_paged_decode(paged_decode, exercise: str = "9.3", seed: int = 0) -> None:
+def check_paged_decode(paged_decode, load_kv_tile=None, exercise: str = "9.6",
+                       seed: int | None = None) -> None:
     """``paged_decode(q, kv_cache, block_tables, seq_lens, scale) -> [seqs, heads, d]``: the
     notebook's kernel, reading each tile through the learner's ``load_kv_tile``."""
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
-    for q, cache, tables, seq_lens, scale, label, _ in _paged_cases(g, extra_splits=False):
-        expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
-        got = _call(exercise, paged_decode, q.clone(), cache.clone(), tables.clone(),
-                    seq_lens.clone(), scale)
-        compare_tensors(exercise, f"paged decode attention, {label}", got, expected, 1e-4, 1e-4,
-                        PAGED_CONVENTION, _paged_hint(got, q, cache, tables, seq_lens, scale))
-        cases += 1
-    _decode_in_engine(exercise, "load_kv_tile (in the decode kernel)", paged_decode)
-    passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on {cases} "
-                     "random block tables, and the tiny Llama decoding with it generates the "
-                     "reference tokens.")
+    g, seed = _seeded(exercise, seed)
+    cases = []
+
+    def run_cases():
+        for q, cache, tables, seq_lens, scale, label, _ in _paged_cases(g, extra_splits=False):
+            expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
+            got = _call(exercise, paged_decode, q.clone(), cache.clone(), tables.clone(),
+                        seq_lens.clone(), scale)
+            compare_tensors(exercise, f"paged decode attention, {label}", got, expected, 1e-4,
+                            1e-4, PAGED_CONVENTION, _paged_hint(got, q, cache, tables, seq_lens,
+                                                                scale))
+            cases.append(label)
+        _decode_in_engine(exercise, "load_kv_tile (in the decode kernel)", paged_decode)
+
+    _graded(exercise, seed, paged_decode, load_kv_tile, False, run_cases)
+    passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on "
+                     f"{len(cases)} random block tables, and the tiny Llama decoding with it "
+                     "generates the reference tokens.")
 
 
 SPLIT_CONVENTION = (
@@ -423,29 +772,37 @@ SPLIT_CONVENTION = (
     "With M = max_j m_j: out = sum_j 2**(m_j - M) acc_j / sum_j 2**(m_j - M) l_j.")
 
 
-def check_split_decode(flash_decode, exercise: str = "9.4", seed: int = 0) -> None:
+def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
+                       seed: int | None = None) -> None:
     """``flash_decode(q, kv_cache, block_tables, seq_lens, scale, num_splits) -> [seqs, heads, d]``:
-    the notebook's split-K kernel, combined by the learner's reduction."""
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
-    for q, cache, tables, seq_lens, scale, label, splits in _paged_cases(g, extra_splits=True):
-        expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
-        got = _call(exercise, flash_decode, q.clone(), cache.clone(), tables.clone(),
-                    seq_lens.clone(), scale, splits)
-        hint = None
-        if isinstance(got, torch.Tensor) and got.shape == q.shape and torch.isnan(got).any():
-            hint = ("NaN: a partition that starts at or after seq_len never ran, and its m, l, acc "
-                    "hold NaN; leave it out of the sums.")
-        compare_tensors(exercise, f"flash-decoding with {splits} partitions, {label}", got,
-                        expected, 1e-4, 1e-4, SPLIT_CONVENTION, hint)
-        cases += 1
-    _decode_in_engine(exercise, "split-K reduction (2 partitions per sequence)",
-                      lambda *args: flash_decode(*args, 2))
-    passed(exercise, f"flash-decoding with your reduction matches the reference on {cases} random "
-                     "cases (1, 2 and 7 partitions, some never reached by short sequences), and the "
-                     "tiny Llama decoding with it generates the reference tokens.")
+    the notebook's split-K kernel, combined by the learner's reduction ``kernel``."""
+    g, seed = _seeded(exercise, seed)
+    cases = []
+
+    def run_cases():
+        for q, cache, tables, seq_lens, scale, label, splits in _paged_cases(g, extra_splits=True):
+            expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
+            got = _call(exercise, flash_decode, q.clone(), cache.clone(), tables.clone(),
+                        seq_lens.clone(), scale, splits)
+            hint = None
+            if isinstance(got, torch.Tensor) and got.shape == q.shape and torch.isnan(got).any():
+                hint = ("NaN: a partition that starts at or after seq_len never ran, and its m, l, "
+                        "acc hold NaN; leave it out of the sums.")
+            compare_tensors(exercise, f"flash-decoding with {splits} partitions, {label}", got,
+                            expected, 1e-4, 1e-4, SPLIT_CONVENTION, hint)
+            cases.append(label)
+        _decode_in_engine(exercise, "split-K reduction (2 partitions per sequence)",
+                          functools.partial(flash_decode, num_splits=2)
+                          if "num_splits" in inspect.signature(flash_decode).parameters
+                          else (lambda *args: flash_decode(*args, 2)))
+
+    _graded(exercise, seed, flash_decode, kernel, True, run_cases)
+    passed(exercise, f"flash-decoding with your reduction matches the reference on {len(cases)} "
+                     "random cases (1, 2 and 7 partitions, some never reached by short sequences), "
+                     "and the tiny Llama decoding with it generates the reference tokens.")
 
 
-__all__ = ["CheckFailed", "check_fused_add_rms_norm", "check_online_softmax",
-           "check_online_softmax_kernel", "check_paged_decode", "check_split_decode",
-           "package_kernels_hidden", "tiny_engine"]
+__all__ = ["CheckFailed", "check_bias_add", "check_fused_add_rms_norm", "check_online_softmax",
+           "check_online_softmax_kernel", "check_paged_decode", "check_row_sums",
+           "check_split_decode", "check_tiled_matmul", "package_kernels_hidden",
+           "refuse_delegation", "tiny_engine"]
