@@ -1,8 +1,10 @@
 """Run notebooks outside Jupyter: to refresh a chapter's committed outputs, and in tests.
 
 ``execute_notebook`` runs every cell in a fresh kernel of the current Python (so the installed
-minivllm is the one imported). Cells tagged ``requires-gpu`` are skipped when torch sees no
-CUDA device, as the test configuration does under nbval; they keep their stored outputs.
+minivllm is the one imported), top to bottom, as Jupyter's Run All does: no cell is skipped.
+Cells tagged ``requires-gpu`` check for CUDA themselves (``minivllm.course.gpu_results``): on a
+GPU they measure and store the result, elsewhere they show the stored one. The tag marks the
+cells a GPU run refreshes (``gpu_cells``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,16 @@ def execute_notebook(
         kernel_name="python3",
         allow_errors=allow_errors,
         record_timing=False,  # no timestamps in committed notebooks
-        skip_cells_with_tag="skip-execution" if has_cuda() else GPU_TAG,
         resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
     )
     client.execute()
     return nb
+
+
+def gpu_cells(nb: nbformat.NotebookNode) -> list[int]:
+    """Indexes (among all cells) of the cells tagged ``requires-gpu``."""
+    return [i for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and GPU_TAG in c.metadata.get("tags", [])]
 
 
 def cell_errors(nb: nbformat.NotebookNode) -> list[tuple[int, str, str]]:
