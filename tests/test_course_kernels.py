@@ -359,3 +359,78 @@ def test_hiding_is_undone_after_a_check():
                                  torch.zeros(1, 1, dtype=torch.int32),
                                  torch.ones(1, dtype=torch.int32), 1.0)
     assert torch.allclose(out, torch.ones(1, 1, 4))
+
+
+# -- chapter 09 never prints what its exercises ask for ------------------------------------------
+
+ANSWERS_09 = ["minivllm.kernels.rms_norm:_rms_norm_kernel",
+              "minivllm.kernels.attention_tile:load_kv_tile",
+              "minivllm.kernels.attention_tile:online_softmax_update",
+              "minivllm.kernels.decode_attention:_decode_reduce_kernel"]
+
+
+def _lines(text):
+    out = []
+    for line in text.split("\n"):
+        line = " ".join(line.split("#")[0].split())
+        if len(line) >= 16 and not line.startswith(('"""', "def ", "@")):
+            out.append(line)
+    return out
+
+
+def _unnumbered(text):
+    """Source as the chapter's show_source prints it, without its line numbers."""
+    import re
+
+    return re.sub(r"(?m)^ *\d+  ", "", text)
+
+
+def test_chapter_09_neither_prints_nor_writes_out_an_exercise_answer():
+    import inspect
+
+    from minivllm.course.grading import resolve
+
+    nb = nbformat.read(os.path.join(ROOT, "chapters", "09_triton_kernels.ipynb"), 4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    printed = " ".join(" ".join(_unnumbered(o.get("text", "")).split()) for c in nb.cells
+                       if c.cell_type == "code" for o in c.outputs)
+    for name in ANSWERS_09:
+        obj = resolve(name)
+        body = _lines(inspect.getsource(getattr(obj, "fn", obj)).split(":\n", 1)[1])
+        assert body
+        for i in range(len(body) - 2):  # three consecutive lines of the answer, printed
+            assert " ".join(body[i:i + 3]) not in printed, f"chapter 09 prints {name}"
+        assert not any(f"show_source({name.split(':')[1]}" in c or name.split(":")[1] + ")" in c
+                       for c in code if "show_source" in c or "getsource" in c), name
+    solutions = nbformat.read(os.path.join(ROOT, "solutions", "09_triton_kernels.ipynb"), 4)
+    answer_lines = []
+    for cell in solutions.cells:
+        inside = False
+        for line in cell.source.split("\n"):
+            if "### BEGIN SOLUTION" in line or "### END SOLUTION" in line:
+                inside = "BEGIN" in line
+            elif inside:
+                answer_lines += [x for x in _lines(line) if len(x) >= 24]
+    for i, cell in enumerate(code):  # two consecutive solution lines in one chapter cell
+        for a, b in zip(answer_lines, answer_lines[1:]):
+            assert not (a in cell and b in cell), f"chapter 09 code cell {i} repeats {a!r}, {b!r}"
+
+
+def test_the_line_numbers_chapter_09_reads_the_kernels_by_are_current():
+    import inspect
+
+    from minivllm.kernels import decode_attention, reshape_and_cache
+
+    def line(fn, n):
+        return inspect.getsourcelines(fn.fn)[0][n - 1].strip()
+
+    stage1 = decode_attention._decode_partition_kernel
+    assert line(reshape_and_cache._reshape_and_cache_kernel, 9).startswith("tok = tl.program_id(0)")
+    assert line(reshape_and_cache._reshape_and_cache_kernel, 18).startswith("dst = ")
+    assert line(stage1, 16).startswith("seq = tl.program_id(0)")
+    assert line(stage1, 27).startswith("g = tl.arange")
+    assert line(stage1, 35).startswith("m_i = tl.full")
+    assert line(stage1, 38).startswith("for tile in range")
+    assert line(stage1, 47).startswith("m_i, l_i, acc = online_softmax_update")
+    assert line(stage1, 49).startswith("if SINGLE_SPLIT")
+    assert line(stage1, 59).startswith("tl.store(acc_ptr")
