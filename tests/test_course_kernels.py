@@ -87,7 +87,8 @@ def test_paged_decode_that_reads_blocks_in_order_fails_naming_the_block_table():
         ordered = torch.arange(tables.shape[1], dtype=torch.int32)[None].expand_as(tables)
         return _paged(q, cache, ordered.contiguous(), lens, scale)
 
-    _fails(checks.check_paged_decode, in_order, fragments=("Exercise 9.6", "look each token's block"))
+    _fails(checks.check_paged_decode, in_order,
+           fragments=("Exercise 9.6", "look each token's block"))
 
 
 def test_paged_decode_over_whole_blocks_fails_naming_the_mask():

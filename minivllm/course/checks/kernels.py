@@ -290,9 +290,9 @@ def _grade(exercise: str, launcher, piece, launched: bool, run_cases) -> None:
     with counting_runs(piece, launched) as count:
         run_cases()
     if count is not None and count[0] == 0:
+        how = "launch" if launched else "reach it through the given kernel, which calls"
         fail(exercise, f"the cases passed without running your {piece.__name__}: the launcher must "
-                       f"{'launch' if launched else 'reach it through the given kernel, which calls'}"
-                       " it")
+                       f"{how} it")
 
 
 # -- the tiny model the kernels are plugged into -------------------------------------------------
@@ -457,8 +457,8 @@ def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | Non
     """``row_sums(x [rows, cols]) -> [rows]``: a tiled reduction in the learner's kernel."""
     g, seed = _seeded(exercise, seed)
     shapes = [(1, 1), (2, 16), (3, 17), (4, 100)] + [
-        (int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(33, 130, (1,), generator=g)))
-        for _ in range(2)]
+        (int(torch.randint(1, 6, (1,), generator=g)),
+         int(torch.randint(33, 130, (1,), generator=g))) for _ in range(2)]
 
     def cases():
         for shape in shapes:
@@ -546,7 +546,7 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
                                     ADD_NORM_CONVENTION, hint)
                     cases.append(what)
 
-        def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, through the kernel
+        def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, via the kernel
             if residual is None:
                 return _call(exercise, fused_add_rms_norm, x, torch.zeros_like(x), weight, eps)[0]
             return _call(exercise, fused_add_rms_norm, x, residual, weight, eps)
@@ -565,7 +565,8 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
 
     _graded(exercise, seed, fused_add_rms_norm, kernel, True, run_cases)
     passed(exercise, f"fused_add_rms_norm matches the reference on {len(cases)} random cases, and "
-                     "the tiny Llama with your kernel in every norm generates the reference tokens.")
+                     "the tiny Llama with your kernel in every norm generates the reference "
+                     "tokens.")
 
 
 # -- Exercise 9.5: the online-softmax update -----------------------------------------------------
@@ -613,7 +614,8 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
                     what = f"{rows} rows of {n} scores (spread {spread:g}) in tiles of {sizes}"
                     compare_tensors(exercise, f"{what}: the running max m", m,
                                     s.max(dim=1).values, 1e-6, 1e-6, ONLINE_CONVENTION)
-                    expected = torch.softmax(s * 0.6931471805599453, dim=1) @ v  # 2**s = e**(s ln 2)
+                    # 2**s = e**(s ln 2)
+                    expected = torch.softmax(s * 0.6931471805599453, dim=1) @ v
                     hint = None
                     if isinstance(acc, torch.Tensor) and isinstance(l, torch.Tensor) and \
                             acc.shape == (rows, d):
