@@ -1,6 +1,6 @@
 """Run All works anywhere: every chapter runs top to bottom, on a CPU, with no cell skipped.
 
-How the chapters are executed, and why here is no second execution of them:
+How the chapters are executed, and why this file does not execute them a second time:
 the test command (pyproject's ``testpaths`` include ``chapters/``, ``addopts`` has ``--nbval
 --nbval-current-env``) already runs every chapter under nbval, once: nbval starts a plain
 Jupyter kernel of the current Python in the notebook's folder, runs every code cell in order,
@@ -9,11 +9,12 @@ says how: stderr not compared, addresses blanked, ``nbval-ignore-output`` cells 
 ``conftest.py`` no longer skips any cell (``requires-gpu`` cells check for CUDA themselves and
 show a stored result without it) and gives every cell a timeout of ``CELL_TIMEOUT_S`` seconds.
 So nbval's run is exactly a learner's Run All plus the output comparison. Executing the
-chapters a second time with nbclient would add their whole running time (about half of the
-suite's) and catch nothing more. This file checks what that argument rests on, cheaply:
+chapters a second time with nbclient would add their whole running time to the suite again and
+catch nothing more. This file checks what that argument rests on, cheaply:
 
 * nothing lets a chapter cell be skipped or fail quietly (no skipping or raising tags; the
-  conftest hooks mark no cell skipped, and a ``requires-gpu`` cell runs, probe notebook below);
+  conftest hooks mark no cell skipped: tests/test_course.py's probe; the notebook runner skips
+  none either: the probe below);
 * the per-cell timeout is set;
 * every GPU cell follows the one pattern (``gpu_results.has_cuda()`` / ``save`` / ``show``), is
   tagged ``requires-gpu`` and ``nbval-ignore-output``, and sits in the "On a GPU" section that
@@ -28,8 +29,6 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 import types
 
 import nbformat
@@ -119,13 +118,15 @@ def test_conftest_sets_a_cell_timeout_unless_one_is_given():
 
 
 @pytest.mark.slow
-def test_nbval_runs_gpu_cells_and_they_show_stored_results_on_a_cpu(tmp_path):
-    """A probe chapter under the repository's conftest: its GPU cell runs (no skip) and, without
-    CUDA, shows the stored result found beside it; a plain requires-gpu cell runs too."""
+def test_the_notebook_runner_runs_gpu_cells_and_they_show_stored_results_on_a_cpu(tmp_path):
+    """A probe chapter run by ``minivllm.course.notebooks`` (nbclient, a plain kernel, what
+    ``python -m minivllm.course run`` uses): its GPU cell runs (no skip) and, without CUDA,
+    shows the stored result found beside it; a plain requires-gpu cell runs too. (That nbval
+    runs requires-gpu cells under this conftest, tests/test_course.py's conftest probe checks.)"""
     if gpu_results.has_cuda():
         pytest.skip("on a GPU the cell would measure and store")
-    with open(os.path.join(ROOT, "conftest.py")) as f:
-        (tmp_path / "conftest.py").write_text(f.read())
+    from minivllm.course.notebooks import execute_notebook
+
     chapters = tmp_path / "chapters"
     (chapters / "gpu_results").mkdir(parents=True)
     (chapters / "gpu_results" / "99_probe.json").write_text(json.dumps(
@@ -133,25 +134,19 @@ def test_nbval_runs_gpu_cells_and_they_show_stored_results_on_a_cpu(tmp_path):
     gpu_cell = nbformat.v4.new_code_cell(
         'from minivllm.course import gpu_results\n'
         'if gpu_results.has_cuda():\n    raise RuntimeError("not on this machine")\n'
-        'else:\n    gpu_results.show("99", "probe", "a probe")\n'
-        'assert not gpu_results.has_cuda()', execution_count=1, outputs=[])
+        'else:\n    gpu_results.show("99", "probe", "a probe")')
     gpu_cell.metadata["tags"] = [GPU_TAG, IGNORE_TAG]
-    plain = nbformat.v4.new_code_cell("print('ran')", execution_count=2, outputs=[
-        nbformat.v4.new_output("stream", name="stdout", text="ran\n")])
+    plain = nbformat.v4.new_code_cell("print('ran')")
     plain.metadata["tags"] = [GPU_TAG]
     nb = nbformat.v4.new_notebook(cells=[gpu_cell, plain])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(chapters / "99_probe.ipynb"))
-    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    env.pop(gpu_results.ENV_DIR, None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          "-p", "nbval", "--nbval", "--nbval-current-env", "chapters/99_probe.ipynb"],
-                         cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert "2 passed" in out.stdout and "skipped" not in out.stdout, out.stdout + out.stderr
-    # and the notebook runner (nbclient, what `python -m minivllm.course run` uses) skips nothing
-    from minivllm.course.notebooks import execute_notebook
-
-    ran = execute_notebook(str(chapters / "99_probe.ipynb"))
+    env_before = os.environ.pop(gpu_results.ENV_DIR, None)
+    try:
+        ran = execute_notebook(str(chapters / "99_probe.ipynb"))
+    finally:
+        if env_before is not None:
+            os.environ[gpu_results.ENV_DIR] = env_before
     shown = _stdout(ran.cells[0])
     assert shown.startswith("No GPU here: this cell would measure a probe."), shown
     assert "2026-12-01 10:00 UTC, NVIDIA H200" in shown and "x: 3" in shown, shown
