@@ -1,4 +1,4 @@
-"""minivllm's CPU kernels in C (``cpu_kernels.c``), compiled on first use and called with ctypes.
+"""minivllm's CPU kernels (``cpu_kernels.cpp``): torch operators built on first use.
 
 Plain torch has no paged attention for a CPU: the torch backend gathers each decode group's
 keys, multiplies them with one batched matmul and sums the values with ``F.embedding_bag``
@@ -10,15 +10,23 @@ RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding``
 (the model runner swaps them in on a CPU, as it swaps in Triton kernels on a GPU). vLLM's CPU
 backend likewise runs its attention and these ops in native code of its own.
 
-The first time an engine needs them, the C file is compiled with the machine's C compiler
-(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, no ``-ffast-math``) into minivllm's
-cache folder (a file named by a hash of the source, the flags and the CPU, so a changed source
-or another CPU builds anew) and loaded with ``ctypes``. Built with OpenMP, the kernels run on
-torch's own OpenMP threads (the process has one OpenMP runtime, torch's). Without a compiler,
-or when the build fails, the torch code runs and one warning says why.
-``MINIVLLM_CPU_KERNELS=torch`` turns them off. They serve float32 tensors on a CPU only, and
-never a call that needs autograd (the course's models with gradients on): those take the torch
-code.
+The C++ file registers them with torch's dispatcher (``TORCH_LIBRARY``) as
+``torch.ops.minivllm_cpu.*``, and this module gives each a shape function for tracing
+(``torch.library.register_fake``), so ``torch.compile`` sees them as ops in its graph. Their
+loops run on torch's own thread pool (``at::parallel_for``): the library is compiled with
+``-fopenmp`` for that but links no OpenMP runtime of its own, so its calls go to the one torch
+loaded and the process has one.
+
+The first time an engine needs them, ``build`` compiles the file with the machine's C++
+compiler (``$CXX``, which may be a launcher and a compiler such as ``ccache g++``, else ``c++``)
+against torch's headers and libraries (``torch.utils.cpp_extension``'s paths), ``-O3
+-march=native``, no ``-ffast-math``, into minivllm's cache folder: one file per source,
+compiler and its version, flags, torch and CPU, so any change among them builds anew. A file
+lock makes processes that start at once (test workers, tensor-parallel ranks) build it once.
+Without a compiler, or when the build fails, the torch code runs and one warning gives the
+compiler's first error. ``MINIVLLM_CPU_KERNELS=torch`` turns them off. They serve float32
+tensors on a CPU only, and never a call that needs autograd (the course's models with gradients
+on): those take the torch code.
 
 Their results equal the torch code's up to float rounding (other summation orders, and their
 own ``exp``): ``tests/test_cpu_kernels.py`` checks each against it, and the greedy outputs
@@ -27,10 +35,12 @@ against transformers run with them.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import hashlib
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import tempfile
 import warnings
@@ -39,24 +49,30 @@ from pathlib import Path
 import torch
 
 ENV = "MINIVLLM_CPU_KERNELS"  # "c" (default) or "torch"
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-freciprocal-math", "-fPIC", "-shared", "-pthread", "-fopenmp"]
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+NAMESPACE = "minivllm_cpu"  # torch.ops.minivllm_cpu.*
 # -fassociative-math (with the two before it) lets the compiler vectorize the dot products'
 # sums, which it may then reorder. Not -ffast-math: a shared library linked with it turns on
 # flush-to-zero for the whole process when it is loaded (denormal floats become 0 in torch and
 # in Python too), which tests/test_cpu_kernels.py checks does not happen.
-ERRORS = {1: "a sequence of length < 1",
-          2: "a block id outside the KV cache, or a context longer than its block table",
-          3: "out of memory", 4: "a bad shape (heads not a multiple of KV heads?)"}
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-freciprocal-math", "-std=c++20", "-fPIC", "-fopenmp"]
+# tried in turn when a flag is not understood (another CPU architecture, a compiler without
+# OpenMP, whose kernels then run on one thread)
+FALLBACKS = (("-march=native",), ("-march=native", "-fopenmp"))
+COMPILE_TIMEOUT_S = 600  # torch's headers are large; a busy machine is slow
 
-_library = None
+_ops = None
 _tried = False
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "c").lower() != "torch"
+
+
+def compiler() -> list[str]:
+    """The C++ compiler's command: ``$CXX`` split like a shell (``ccache g++``), else c++."""
+    return shlex.split(os.environ.get("CXX") or "c++")
 
 
 def _cpu_signature() -> str:
@@ -69,83 +85,161 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def library_path(compiler: str, flags: list[str]) -> Path:
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"cannot run the C++ compiler {shlex.join(compiler())!r} "
+                           f"(set $CXX to another): {e}") from e
+
+
+_versions: dict[tuple[str, ...], str] = {}
+
+
+def compiler_version(command: list[str]) -> str:
+    """``command --version``'s output (asked once per process), part of the build's key."""
+    key = tuple(command)
+    if key not in _versions:
+        done = _run([*command, "--version"])
+        if done.returncode:
+            raise RuntimeError(f"{shlex.join(command)} --version failed: "
+                               f"{(done.stderr or done.stdout).strip()[:500]}")
+        _versions[key] = done.stdout.strip()
+    return _versions[key]
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """The flags that compile against and link with this torch (its headers, c10, torch_cpu).
+    No OpenMP library is linked: the kernels' parallel regions use the runtime torch loaded."""
+    from torch.utils import cpp_extension
+
+    include = [f for path in cpp_extension.include_paths() for f in ("-isystem", path)]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    lib = cpp_extension.library_paths()
+    link = [*(f"-L{p}" for p in lib), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in lib)]
+    return [abi, *include], link
+
+
+def library_path(command: list[str], flags: list[str]) -> Path:
+    """Where the build of this source with this compiler and these flags is cached."""
     from minivllm.model_hub import cache_dir
 
-    key = hashlib.sha256(b"\0".join(
-        [SOURCE.read_bytes(), compiler.encode(), " ".join(flags).encode(),
-         platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    parts = [SOURCE.read_bytes(), shlex.join(command), compiler_version(command),
+             " ".join(flags), torch.__version__, str(Path(torch.__file__).parent),
+             platform.machine(), _cpu_signature()]
+    key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode()
+                                    for p in parts)).hexdigest()[:16]
     return Path(cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile ``cpu_kernels.c`` unless this exact build is cached; returns the library's path.
-    Raises ``RuntimeError`` with the compiler's message when it fails."""
-    compiler = compiler or os.environ.get("CC") or "cc"
-    flags = list(FLAGS)
-    path = library_path(compiler, flags)
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` for the block (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _first_error(output: str, lines: int = 12) -> str:
+    """The compiler's first error and a few lines around it (a C++ error can run to pages)."""
+    text = output.strip().splitlines()
+    first = next((i for i, ln in enumerate(text) if "error" in ln.lower()), 0)
+    return "\n".join(text[max(0, first - 2): first + lines])
+
+
+def build() -> Path:
+    """Compile ``cpu_kernels.cpp`` unless this exact build is cached; returns the library's path.
+    Raises ``RuntimeError`` with the compiler's first error when no flag set builds."""
+    command = compiler()
+    cflags, ldflags = _torch_flags()
+    path = library_path(command, FLAGS + cflags + ldflags)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # into a temporary file first, then renamed: processes building at once (tensor-parallel
-    # workers, test workers) never load a half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        portable = [f for f in flags if f != "-march=native"]
-        # without OpenMP (e.g. Apple's compiler) the kernel starts threads of its own
-        attempts = (flags, [f for f in flags if f != "-fopenmp"], portable,
-                    [f for f in portable if f != "-fopenmp"])
-        for attempt in attempts:
-            try:
-                done = subprocess.run([compiler, *attempt, str(SOURCE), "-o", tmp, "-lm"],
-                                      capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise RuntimeError(f"cannot run the C compiler {compiler!r}: {e}") from e
-            if done.returncode == 0:
-                os.replace(tmp, path)
-                return path
-        raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr.strip()}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _locked(path.with_suffix(".lock")):
+        if path.exists():  # another process built it while this one waited
+            return path
+        # into a temporary folder first, then renamed: a process that finds the library
+        # without taking the lock never loads a half-written one
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".build-"))
+        try:
+            errors = []
+            for drop in ((), *FALLBACKS):
+                flags = [f for f in FLAGS if f not in drop]
+                obj, lib = tmp / "cpu_kernels.o", tmp / "cpu_kernels.so"
+                steps = ([*command, *flags, *cflags, "-c", str(SOURCE), "-o", str(obj)],
+                         # linked without -fopenmp: no OpenMP runtime of its own
+                         [*command, "-shared", str(obj), "-o", str(lib), *ldflags])
+                for step in steps:
+                    done = _run(step)
+                    if done.returncode:
+                        errors.append((step, done.stderr or done.stdout))
+                        break
+                else:
+                    os.replace(lib, path)
+                    return path
+            step, output = errors[0]
+            raise RuntimeError(
+                f"the C++ compiler failed on {SOURCE.name} ({len(errors)} flag sets tried; "
+                f"the first):\n$ {shlex.join(step)}\n{_first_error(output)}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-_SIGNATURES = {  # C function: (return type, argument types)
-    "minivllm_paged_decode_f32": (ctypes.c_int, [_P] * 6 + [_I] * 11 + [_F, _I]),
-    "minivllm_rms_norm_f32": (None, [_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _F, _I]),
-    "minivllm_silu_and_mul_f32": (None, [_P, _I, _P, _I, _I, _I, _I]),
-    "minivllm_rotary_f32": (ctypes.c_int, [_P, _P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I,
-                                           _I]),
-}
+def _registered() -> bool:
+    """Whether this process loaded the library already (a reloaded module finds it loaded)."""
+    return hasattr(getattr(torch.ops, NAMESPACE), "rms_norm")
+
+
+def _register_fakes() -> None:
+    """Output shapes for tracing (FakeTensors): what torch.compile needs to put the ops in its
+    graph without running them."""
+    def fake(name):
+        return torch.library.register_fake(f"{NAMESPACE}::{name}")
+
+    fake("paged_decode")(lambda q, kv_cache, block_tables, seq_lens, scale, out, window,
+                         parts: None)
+    fake("rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+    fake("fused_add_rms_norm")(lambda x, residual, weight, eps: (x.new_empty(x.shape),
+                                                                 x.new_empty(x.shape)))
+    fake("silu_and_mul")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
+    fake("rotary_embedding")(lambda positions, q, k, cos_sin_cache: (q.new_empty(q.shape),
+                                                                     k.new_empty(k.shape)))
 
 
 def library():
-    """The loaded library (its functions typed), or None: turned off, or it could not be
-    built (warned once)."""
-    global _library, _tried
+    """``torch.ops.minivllm_cpu`` once the library is loaded, or None: turned off, or it could
+    not be built (warned once)."""
+    global _ops, _tried
     if not enabled():
         return None
     if _tried:
-        return _library
+        return _ops
     _tried = True
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"minivllm: the CPU kernels are unavailable, using the slower torch code "
-                      f"({e}). Set {ENV}=torch to silence this.", stacklevel=2)
-        return None
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    _library = lib
-    return lib
+    if not _registered():
+        try:
+            torch.ops.load_library(str(build()))
+        except (RuntimeError, OSError) as e:
+            warnings.warn(f"minivllm: the CPU kernels are unavailable, using the slower torch "
+                          f"code ({e}). Set {ENV}=torch to silence this.", stacklevel=2)
+            return None
+    _register_fakes()
+    _ops = getattr(torch.ops, NAMESPACE)
+    return _ops
 
 
 def kernel():
-    """The decode attention function, or None (see ``library``)."""
-    lib = library()
-    return None if lib is None else lib.minivllm_paged_decode_f32
+    """The decode attention operator, or None (see ``library``)."""
+    ops = library()
+    return None if ops is None else ops.paged_decode.default
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
@@ -162,8 +256,9 @@ def _heads_side_by_side(x: torch.Tensor) -> bool:
 
 
 def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether this decode attention may take the C kernel (which does not build it): float32
-    on a CPU, no autograd, a contiguous cache and each query token's heads side by side."""
+    """Whether this decode attention may take the C++ kernel (which does not build it):
+    float32 on a CPU, no autograd, a contiguous cache and each query token's heads side by
+    side."""
     return (enabled() and _plain(q, kv_cache) and kv_cache.is_contiguous()
             and _heads_side_by_side(q))
 
@@ -172,32 +267,22 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                  sliding_window: int | None = None, num_threads: int | None = None) -> bool:
     """``out[i] = attention of q[i]`` over sequence i's context (its ``seq_lens[i]`` tokens, or
-    the last ``sliding_window`` of them), for the first ``len(q)`` sequences, on
-    ``num_threads`` threads (default: torch's). Returns False (nothing written) when the kernel
-    is not available; raises ``ValueError`` on bad input (then ``out`` may be partly written)."""
+    the last ``sliding_window`` of them), for the first ``len(q)`` sequences, split into
+    ``num_threads`` parts (default: torch's thread count) that torch's threads run. Returns
+    False (nothing written) when the kernel is not available; raises ``ValueError`` on bad
+    input (then ``out`` may be partly written)."""
     fn = kernel()
     if fn is None:
         return False
-    n, heads, d = q.shape
+    n = q.shape[0]
     if n == 0:
         return True
-    _, num_blocks, block_size, kv_heads, kd = kv_cache.shape
-    if (kd != d or not _heads_side_by_side(q) or not _heads_side_by_side(out)
-            or out.shape != q.shape or out.dtype != torch.float32):
-        raise ValueError("paged_decode: q and out must be float32 rows of [heads, head_dim]")
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     lens = seq_lens[:n]
     lens = lens if lens.dtype == torch.int32 and lens.is_contiguous() else lens.int().contiguous()
     if tables.stride(1) != 1:
         tables = tables.contiguous()
-    if tables.shape[0] < n or lens.shape[0] < n:
-        raise ValueError("paged_decode: fewer block tables or lengths than queries")
-    status = fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), n, tables.stride(0), tables.shape[1],
-                q.stride(0), out.stride(0), heads, kv_heads, d, block_size, num_blocks,
-                sliding_window or 0, scale, num_threads or torch.get_num_threads())
-    if status:
-        raise ValueError(f"paged_decode: {ERRORS.get(status, f'error {status}')}")
+    fn(q, kv_cache, tables, lens, scale, out, sliding_window or 0, num_threads or 0)
     return True
 
 
@@ -209,60 +294,38 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def cpu_elementwise_ops(native: dict) -> dict | None:
-    """C versions of ``native``'s ops (``model/layers.py``'s ``NATIVE_OPS``, by ``op_name``),
-    each falling back to its native op for a call it cannot serve; None when the library is
-    not there."""
-    lib = library()
-    if lib is None:
+    """The operators in place of ``native``'s ops (``model/layers.py``'s ``NATIVE_OPS``, by
+    ``op_name``), each falling back to its native op for a call it cannot serve; None when the
+    library is not there."""
+    ops = library()
+    if ops is None:
         return None
     native_rms_norm, native_rotary = native["rms_norm"], native["rotary_embedding"]
     native_silu_and_mul = native["silu_and_mul"]
+    c_rms_norm, c_add_rms_norm = ops.rms_norm.default, ops.fused_add_rms_norm.default
+    c_silu_and_mul, c_rotary = ops.silu_and_mul.default, ops.rotary_embedding.default
 
     def rms_norm(x, weight, eps, residual=None):
         tensors = (x, weight) if residual is None else (x, weight, residual)
         if not (_plain(*tensors) and weight.is_contiguous() and all(map(_rows, tensors))):
             return native_rms_norm(x, weight, eps, residual)
-        hidden = x.shape[-1]
-        rows = x.numel() // hidden if hidden else 0
-        x2, out = x.reshape(rows, hidden), torch.empty(x.shape, dtype=x.dtype)
         if residual is None:
-            lib.minivllm_rms_norm_f32(x2.data_ptr(), x2.stride(0), None, 0, weight.data_ptr(),
-                                      out.data_ptr(), hidden, None, 0, rows, hidden, eps,
-                                      torch.get_num_threads())
-            return out
-        r2, new_residual = residual.reshape(rows, hidden), torch.empty(x.shape, dtype=x.dtype)
-        lib.minivllm_rms_norm_f32(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0),
-                                  weight.data_ptr(), out.data_ptr(), hidden,
-                                  new_residual.data_ptr(), hidden, rows, hidden, eps,
-                                  torch.get_num_threads())
-        return out, new_residual
+            return c_rms_norm(x, weight, eps)
+        return c_add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(x):
         if not (_plain(x) and _rows(x)):
             return native_silu_and_mul(x)
-        d = x.shape[-1] // 2
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        x2, out = x.reshape(rows, 2 * d), torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-        lib.minivllm_silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), d, rows, d,
-                                      torch.get_num_threads())
-        return out
+        return c_silu_and_mul(x)
 
     def rotary_embedding(positions, q, k, cos_sin_cache):
         if not (_plain(q, k, cos_sin_cache) and positions.device.type == "cpu"
                 and _heads_side_by_side(q) and _heads_side_by_side(k)
                 and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[-1] == q.shape[-1]):
             return native_rotary(positions, q, k, cos_sin_cache)
-        tokens, heads, d = q.shape
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else (
             positions.to(torch.int64).contiguous())
-        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-        bad = lib.minivllm_rotary_f32(pos.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(),
-                                      k.stride(0), cos_sin_cache.data_ptr(),
-                                      cos_sin_cache.shape[0], q_out.data_ptr(), k_out.data_ptr(),
-                                      tokens, heads, k.shape[1], d, torch.get_num_threads())
-        if bad:
-            raise IndexError(f"rotary_embedding: a position outside [0, {cos_sin_cache.shape[0]})")
-        return q_out, k_out
+        return c_rotary(pos, q, k, cos_sin_cache)
 
     return {"rms_norm": rms_norm, "rotary_embedding": rotary_embedding,
             "silu_and_mul": silu_and_mul}

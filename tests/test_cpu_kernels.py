@@ -1,10 +1,16 @@
-"""The C kernels (``minivllm/cpu_kernels.c``): decode attention against attention written out
-densely (head dims it specializes, 64 and 128, and others; grouped-query ratios, block sizes,
-sliding windows, one thread and several), bad block tables refused without a crash; the
-elementwise ops against ``model/layers.py``'s torch functions, on shapes small and large enough
-to be split between threads; without a compiler the torch code serves and one warning says so."""
+"""The CPU kernels (``minivllm/cpu_kernels.cpp``, torch operators): decode attention against
+attention written out densely (head dims it specializes, 64 and 128, and others; grouped-query
+ratios, block sizes, sliding windows, one thread and several), bad block tables refused without a
+crash; the elementwise ops against ``model/layers.py``'s torch functions, on shapes small and
+large enough to be split between threads; torch.compile tracing them; one OpenMP runtime in the
+process; the build (with a stand-in compiler: cached by compiler version and flags, built once by
+processes that ask at once, its first error shown, a launcher in $CXX); without a compiler the
+torch code serves and one warning says so. Nothing here builds at import: the ``ops`` fixture
+builds (or finds) the library the first time a test needs it."""
 
 import importlib
+import sys
+import threading
 
 import pytest
 import torch
@@ -16,8 +22,13 @@ from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
 from tests.test_torch_attention import context, dense, paged_case, step_case
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None,
-                                  reason="no C compiler: the kernel cannot be built here")
+
+@pytest.fixture(scope="module")
+def ops():
+    """torch.ops.minivllm_cpu, built on first use; the test is skipped without a compiler."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    return cpu_kernels.library()
 
 
 def run_kernel(q, cache, table, seq_lens, scale, window=None, num_threads=None):
@@ -27,12 +38,12 @@ def run_kernel(q, cache, table, seq_lens, scale, window=None, num_threads=None):
     return out
 
 
-@needs_kernel
 # 20: not a multiple of 8, so full chunks of eight key rows take the plain loop, not dot8
 @pytest.mark.parametrize("head_dim", [64, 128, 24, 20])
 @pytest.mark.parametrize("kv_heads,heads_per_kv", [(1, 1), (3, 3), (2, 7), (4, 2)])
 @pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (1, 5), (16, 20)])
-def test_kernel_equals_dense_attention(head_dim, kv_heads, heads_per_kv, block_size, window):
+def test_kernel_equals_dense_attention(ops, head_dim, kv_heads, heads_per_kv, block_size,
+                                      window):
     gen = torch.Generator().manual_seed(head_dim + kv_heads * 10 + block_size)
     seq_lens = [1, 2, 15, 16, 17, 40, 33]  # block edges, one token, several blocks
     cache, table = paged_case(gen, seq_lens, kv_heads, head_dim, block_size)
@@ -46,8 +57,7 @@ def test_kernel_equals_dense_attention(head_dim, kv_heads, heads_per_kv, block_s
                                                            scale, window))
 
 
-@needs_kernel
-def test_kernel_softmax_over_large_score_gaps():
+def test_kernel_softmax_over_large_score_gaps(ops):
     """Scores far apart (one key dominates, others underflow): no inf or NaN, the dominant
     value wins, as in torch's softmax."""
     gen = torch.Generator().manual_seed(1)
@@ -59,10 +69,9 @@ def test_kernel_softmax_over_large_score_gaps():
     assert torch.isfinite(out).all()
 
 
-@needs_kernel
 @pytest.mark.parametrize("case", ["block id past the cache", "negative block id",
                                   "context longer than its table", "empty context"])
-def test_kernel_refuses_bad_input(case):
+def test_kernel_refuses_bad_input(ops, case):
     gen = torch.Generator().manual_seed(2)
     cache, table = paged_case(gen, [8, 8], 2, 16, 4)
     lens = [8, 8]
@@ -132,14 +141,15 @@ def test_backend_step_takes_the_kernel_for_decodes_only(monkeypatch):
 
 
 def test_no_compiler_warns_once_and_the_torch_path_serves(monkeypatch, tmp_path):
-    """A machine without a C compiler: one warning, and decodes run in torch with the same
-    results; MINIVLLM_CPU_ATTENTION=torch turns the kernel off without a warning."""
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    """A machine without a C++ compiler: one warning, and decodes run in torch with the same
+    results; MINIVLLM_CPU_KERNELS=torch turns the kernels off without a warning."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
     fresh = importlib.reload(cpu_kernels)
+    monkeypatch.setattr(fresh, "_registered", lambda: False)  # a process that has not loaded it
     monkeypatch.setattr(torch_backend, "cpu_kernels", fresh)
     try:
-        with pytest.warns(UserWarning, match="CPU kernels are unavailable"):
+        with pytest.warns(UserWarning, match="CPU kernels are unavailable.*no-such-compiler"):
             assert fresh.kernel() is None
         assert fresh.kernel() is None  # warned once: a second ask is quiet
         gen = torch.Generator().manual_seed(6)
@@ -159,19 +169,97 @@ def test_no_compiler_warns_once_and_the_torch_path_serves(monkeypatch, tmp_path)
         importlib.reload(cpu_kernels)
 
 
-@needs_kernel
-def test_build_is_cached_and_keyed_by_source_and_flags(monkeypatch, tmp_path):
-    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+# -- the build, with a stand-in compiler (a real build takes seconds of the suite's time) -----
+
+FAKE_CXX = """#!{python}
+# logs its arguments; --version prints $FAKE_CXX_VERSION; fails where $FAKE_CXX_FAIL says;
+# otherwise writes the -o file after $FAKE_CXX_SLEEP seconds
+import os, sys, time
+args = sys.argv[1:]
+with open(os.environ["FAKE_CXX_LOG"], "a") as f:
+    f.write(" ".join(args) + "\\n")
+if "--version" in args:
+    print(os.environ.get("FAKE_CXX_VERSION", "fake c++ 1.0"))
+    sys.exit(0)
+if os.environ.get("FAKE_CXX_FAIL") and "-c" in args:
+    march = "-march=native" in args
+    sys.stderr.write("In file included from x.h:1,\\n" + ("cpu_kernels.cpp:1:1: error: "
+                     "unknown -march=native" if march else "error: some later problem") + "\\n")
+    sys.exit(1)
+time.sleep(float(os.environ.get("FAKE_CXX_SLEEP", "0")))
+open(args[args.index("-o") + 1], "w").write("a library")
+"""
+
+
+@pytest.fixture
+def fake_cxx(monkeypatch, tmp_path):
+    """$CXX is a stand-in compiler (its log: the returned path); the cache is empty."""
+    script = tmp_path / "fake-c++"
+    script.write_text(FAKE_CXX.replace("{python}", sys.executable))
+    script.chmod(0o755)
+    log = tmp_path / "log"
+    log.write_text("")
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setenv("FAKE_CXX_LOG", str(log))
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_versions", {})
+    return log
+
+
+def _compiles(log):
+    return [line for line in log.read_text().splitlines() if " -c " in f" {line} "]
+
+
+def test_build_is_cached_and_keyed_by_compiler_version_and_flags(fake_cxx, monkeypatch):
     first = cpu_kernels.build()
-    stamp = first.stat().st_mtime_ns
-    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    other = cpu_kernels.library_path("cc", cpu_kernels.FLAGS + ["-DX"])
-    assert other != first and other.parent == first.parent
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+    assert cpu_kernels.build() == first and len(_compiles(fake_cxx)) == 1  # not rebuilt
+    assert first.read_text() == "a library"
+    compile_line, = _compiles(fake_cxx)
+    assert "-O3" in compile_line.split() and "-fopenmp" in compile_line.split()
+    link = [ln for ln in fake_cxx.read_text().splitlines() if "-shared" in ln.split()]
+    assert link and not any("fopenmp" in ln or "gomp" in ln for ln in link)  # torch's runtime
+    # no temporary left, only the library and its lock
+    assert sorted(p.suffix for p in first.parent.iterdir()) == [".lock", ".so"]
+    monkeypatch.setenv("FAKE_CXX_VERSION", "fake c++ 2.0")
+    monkeypatch.setattr(cpu_kernels, "_versions", {})
+    upgraded = cpu_kernels.build()
+    assert upgraded != first and upgraded.parent == first.parent and len(_compiles(fake_cxx)) == 2
+    flags = cpu_kernels.library_path(cpu_kernels.compiler(), cpu_kernels.FLAGS + ["-DX"])
+    assert flags not in (first, upgraded)
 
 
-@needs_kernel
-def test_kernel_is_not_used_where_autograd_needs_the_graph():
+def test_processes_asking_at_once_build_once(fake_cxx, monkeypatch):
+    monkeypatch.setenv("FAKE_CXX_SLEEP", "0.5")
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(cpu_kernels.build()))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 2 and paths[0] == paths[1] and len(_compiles(fake_cxx)) == 1
+
+
+def test_a_failed_build_shows_the_first_error(fake_cxx, monkeypatch):
+    monkeypatch.setenv("FAKE_CXX_FAIL", "1")
+    with pytest.raises(RuntimeError, match="unknown -march=native") as failed:
+        cpu_kernels.build()
+    assert "later problem" not in str(failed.value)
+    assert len(_compiles(fake_cxx)) == 1 + len(cpu_kernels.FALLBACKS)  # every flag set tried
+
+
+def test_cxx_may_be_a_launcher_and_a_compiler(fake_cxx, monkeypatch, tmp_path):
+    """$CXX="ccache g++": split like a shell (here the stand-in launches "g++", which it only
+    logs); a launcher that is not installed fails with its name."""
+    monkeypatch.setenv("CXX", f"{fake_cxx.parent / 'fake-c++'} g++")
+    cpu_kernels.build()
+    assert all(line.startswith("g++ ") for line in fake_cxx.read_text().splitlines())
+    monkeypatch.setenv("CXX", f"{tmp_path / 'no-such-ccache'} g++")
+    with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler .*no-such-ccache g\\+\\+"):
+        cpu_kernels.build()
+
+
+def test_kernel_is_not_used_where_autograd_needs_the_graph(ops):
     gen = torch.Generator().manual_seed(8)
     cache, table = paged_case(gen, [5], 1, 8)
     q = torch.randn(1, 2, 8, generator=gen, requires_grad=True)
@@ -183,16 +271,15 @@ def test_kernel_is_not_used_where_autograd_needs_the_graph():
 
 # -- the elementwise ops ----------------------------------------------------------------------
 
-def _ops():
-    ops = cpu_kernels.cpu_elementwise_ops(NATIVE_OPS)
-    if ops is None:
-        pytest.skip("no C compiler: the kernels cannot be built here")
-    return ops
+@pytest.fixture(scope="module")
+def c_ops(ops):
+    """The elementwise ops as the model runner swaps them in (by layers.py's names)."""
+    return cpu_kernels.cpu_elementwise_ops(NATIVE_OPS)
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 8), (5, 64), (300, 576)])  # the last one threaded
-def test_rms_norm_equals_torch(rows, hidden):
-    ops, gen = _ops(), torch.Generator().manual_seed(rows)
+def test_rms_norm_equals_torch(c_ops, rows, hidden):
+    ops, gen = c_ops, torch.Generator().manual_seed(rows)
     x = torch.randn(rows, hidden, generator=gen) * 3
     residual = torch.randn(rows, hidden, generator=gen)
     weight = torch.randn(hidden, generator=gen)
@@ -209,15 +296,15 @@ def test_rms_norm_equals_torch(rows, hidden):
 
 
 @pytest.mark.parametrize("rows,d", [(1, 4), (7, 48), (64, 1536)])
-def test_silu_and_mul_equals_torch(rows, d):
-    ops, gen = _ops(), torch.Generator().manual_seed(d)
+def test_silu_and_mul_equals_torch(c_ops, rows, d):
+    ops, gen = c_ops, torch.Generator().manual_seed(d)
     x = torch.randn(rows, 2 * d, generator=gen) * 6  # large |gate| both ways
     torch.testing.assert_close(ops["silu_and_mul"](x), NATIVE_OPS["silu_and_mul"](x))
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,d", [(1, 2, 1, 8), (9, 9, 3, 64), (400, 9, 3, 64)])
-def test_rotary_equals_torch(tokens, heads, kv_heads, d):
-    ops, gen = _ops(), torch.Generator().manual_seed(tokens)
+def test_rotary_equals_torch(c_ops, tokens, heads, kv_heads, d):
+    ops, gen = c_ops, torch.Generator().manual_seed(tokens)
     cos_sin = torch.randn(512, d, generator=gen)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)  # q, k: strided views
     q = qkv[:, : heads * d].view(tokens, heads, d)
@@ -231,9 +318,9 @@ def test_rotary_equals_torch(tokens, heads, kv_heads, d):
         ops["rotary_embedding"](torch.full((tokens,), 512), q, k, cos_sin)
 
 
-def test_elementwise_ops_leave_autograd_to_torch():
+def test_elementwise_ops_leave_autograd_to_torch(c_ops):
     """With gradients wanted (the course's standalone models), each op is the torch one."""
-    ops, gen = _ops(), torch.Generator().manual_seed(0)
+    ops, gen = c_ops, torch.Generator().manual_seed(0)
     x = torch.randn(3, 16, generator=gen, requires_grad=True)
     weight = torch.randn(16, generator=gen)
     ops["rms_norm"](x, weight, 1e-6).sum().backward()
@@ -243,8 +330,7 @@ def test_elementwise_ops_leave_autograd_to_torch():
     assert g.grad is not None
 
 
-@needs_kernel
-def test_queries_whose_heads_are_not_side_by_side_take_the_torch_path():
+def test_queries_whose_heads_are_not_side_by_side_take_the_torch_path(ops):
     gen = torch.Generator().manual_seed(9)
     cache, table = paged_case(gen, [6, 3], 2, 8)
     q = torch.randn(2, 8, 4, generator=gen).transpose(1, 2)  # [2, 4 heads, 8]: heads strided
@@ -254,19 +340,74 @@ def test_queries_whose_heads_are_not_side_by_side_take_the_torch_path():
                           _reference(q.contiguous(), cache, table, [6, 3]), atol=1e-6)
 
 
-@needs_kernel
-def test_loading_the_library_keeps_denormal_floats():
-    """A library built with -ffast-math sets flush-to-zero for the whole process when loaded;
-    this one must not: subnormal floats survive in Python and in torch."""
-    import subprocess
-    import sys
+def test_torch_compile_puts_the_ops_in_its_graph(ops, c_ops):
+    """torch.compile traces through the ops (their fake implementations give the shapes): they
+    are nodes of its graph, with no graph break, and the compiled function computes what the
+    eager one does."""
+    graphs = []
 
-    code = ("from minivllm import cpu_kernels\n"
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(positions, x, residual, weight, gate_up, cos_sin, q, k, cache, table, lens, out):
+        h, residual = c_ops["rms_norm"](x, weight, 1e-6, residual)
+        q, k = c_ops["rotary_embedding"](positions, q, k, cos_sin)
+        ops.paged_decode.default(q, cache, table, lens, 0.125, out, 0, 0)
+        return h, residual, c_ops["silu_and_mul"](gate_up), k
+
+    gen = torch.Generator().manual_seed(11)
+    cache, table = paged_case(gen, [5, 9], 2, 64)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    args = [torch.tensor([4, 8]), torch.randn(2, 32, generator=gen),
+            torch.randn(2, 32, generator=gen), torch.randn(32, generator=gen),
+            torch.randn(2, 48, generator=gen), torch.randn(16, 64, generator=gen),
+            torch.randn(2, 4, 64, generator=gen), torch.randn(2, 2, 64, generator=gen), cache,
+            table.int(), lens]
+    eager_out, compiled_out = torch.empty(2, 4, 64), torch.empty(2, 4, 64)
+    with torch.inference_mode():
+        want = layer(*args, eager_out)
+        got = torch.compile(layer, backend=backend, fullgraph=True)(*args, compiled_out)
+    assert len(graphs) == 1
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert {f"minivllm_cpu.{name}.default" for name in (
+        "fused_add_rms_norm", "rotary_embedding", "paged_decode", "silu_and_mul")} <= targets
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+
+
+def test_one_openmp_runtime_is_loaded(ops):
+    """The kernels run on torch's threads: the library links no OpenMP runtime of its own, so
+    the process maps one (torch's), not a second beside it."""
+    import re
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        pytest.skip("no /proc/self/maps here")
+    runtimes = set(re.findall(r"\S*/lib(?:gomp|iomp5|omp)[^/\s]*\.so[^/\s]*$", maps, re.M))
+    assert len(runtimes) == 1, runtimes
+    assert any("minivllm" not in path for path in runtimes)
+
+
+def test_a_fresh_process_builds_on_use_only_and_keeps_denormal_floats(ops):
+    """Importing this test module builds nothing (the fixture does, when a test runs). And a
+    library built with -ffast-math sets flush-to-zero for the whole process when loaded; this
+    one must not: subnormal floats survive in Python and in torch."""
+    import subprocess
+    from pathlib import Path
+
+    code = ("import tests.test_cpu_kernels\n"
+            "from minivllm import cpu_kernels\n"
+            "assert not cpu_kernels._tried, 'importing the tests built the kernels'\n"
             "import torch\n"
             "assert cpu_kernels.library() is not None\n"
             "x = float('2.2250738585072014e-308')\n"
             "assert x / 2 > 0, 'Python flushes denormals'\n"
             "t = torch.tensor([1e-38]) * torch.tensor([1e-3])\n"
             "assert t.item() > 0, 'torch flushes denormals'\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-1500:]

@@ -63,7 +63,7 @@ def test_kernels_import_from_a_checkout_without_installing():
 
 
 def test_a_built_wheel_carries_the_c_kernel_source(tmp_path):
-    """minivllm/cpu_kernels.c is compiled where minivllm runs, so a wheel must ship it (built
+    """minivllm/cpu_kernels.cpp is compiled where minivllm runs, so a wheel must ship it (built
     from a copy of the sources, so that no build/ folder lands in the checkout)."""
     import shutil
     import subprocess
@@ -88,4 +88,4 @@ def test_a_built_wheel_carries_the_c_kernel_source(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     wheel, = (tmp_path / "dist").glob("minivllm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "minivllm/cpu_kernels.c" in names and "minivllm/kernels/rms_norm.py" in names
+    assert "minivllm/cpu_kernels.cpp" in names and "minivllm/kernels/rms_norm.py" in names

@@ -1,0 +1,447 @@
+/* minivllm's CPU kernels, float32: paged decode attention and the elementwise ops of a decoder
+ * layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul), registered as torch
+ * operators (``torch.ops.minivllm_cpu.*``, the TORCH_LIBRARY block at the end) whose loops run on
+ * torch's own thread pool (at::parallel_for). minivllm compiles this file the first time it is
+ * needed (minivllm/cpu_kernels.py); the torch code it replaces (attention/torch_backend.py,
+ * model/layers.py) computes the same things, and tests/test_cpu_kernels.py compares the two.
+ * It includes two torch headers only, and no pybind11: a build from clean takes seconds, not the
+ * minute that <torch/extension.h> costs.
+ *
+ * Decode attention. Layout (attention/backend.py): a layer's K cache is [num_blocks,
+ * block_size, kv_heads, d], V the same. Token p of sequence s lives in block
+ * block_tables[s][p / block_size], at offset p % block_size. Query head hq reads KV head
+ * hq / (heads / kv_heads) (grouped-query attention). Per sequence, block by block: the block's
+ * key rows (all KV heads of a token are one contiguous row), eight at a time, are read once and
+ * dotted with every query head that uses them; a softmax per head; then the block's value rows
+ * are read once and added into every head's output with its probabilities, all while the next
+ * block is prefetched. Nothing is gathered or padded, so each layer reads each context token's
+ * K and V once. The sequences are split between threads by their context lengths. */
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_DOT8
+#endif
+
+namespace {
+
+/* e^x for x <= 0 (a softmax's x - max), branch-free so that its loop vectorizes: Cephes'
+ * range reduction x = k ln 2 + r and degree-6 polynomial for e^r (about 2 ulp in float32), then
+ * 2^k built in the exponent bits; x below -87 (e^x under 1.6e-38) is clamped there. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.f;
+    return y * std::bit_cast<float>(((int32_t)k + 127) << 23);  /* 2^k */
+}
+
+/* Prefetch part `part` of `parts` of the `floats` at p, a line (64 bytes) at a time. The
+ * kernel reads its blocks wherever the block table puts them; the hardware's prefetchers do not
+ * run ahead of its arithmetic across those jumps, so it asks for the next block while it works on
+ * this one, a little per head so that the requests are spread out (measured at batch 64,
+ * contexts 64-1024, with the eight-row dots below: 35-41 % of the machine's read rate without
+ * it, 54-66 % with it). */
+static inline void prefetch_part(const float *p, int64_t floats, int64_t part, int64_t parts) {
+    const char *c = (const char *)p;
+    const int64_t bytes = floats * (int64_t)sizeof(float);
+    for (int64_t o = (bytes * part / parts) & ~(int64_t)63; o < bytes * (part + 1) / parts; o += 64)
+        __builtin_prefetch(c + o);
+}
+
+#ifdef HAVE_DOT8
+/* q . k_j for the eight key rows k_j = key + j * stride (D floats each, D a multiple of 8), as
+ * [dot_0 .. dot_7]: eight independent sums (one sum at a time waits on its own additions'
+ * latency), added across their lanes all at once at the end */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *key,
+                                                        int64_t stride, const int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + stride + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 7 * stride + d), a7);
+    }
+    /* two rounds of pairwise sums within 128-bit halves, then the halves added */
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                         _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#endif
+
+struct Job {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *block_tables, *seq_lens;
+    int64_t bt_stride, bt_cols, q_stride, out_stride;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, window;
+    float scale;
+    int64_t first, last, max_len; /* this part's sequences [first, last) */
+    int status;                   /* 0, or what went wrong (see DECODE_ERRORS) */
+};
+
+/* one sequence, all its heads; D is a compile-time constant in the common cases (see run) */
+static inline __attribute__((always_inline)) int attend_sequence(
+        const Job *a, int64_t s, const int64_t D, float *scores) {
+    const int64_t kv_heads = a->num_kv_heads, heads = a->num_heads, bs = a->block_size;
+    const int64_t group = heads / kv_heads, row = kv_heads * D, len = a->seq_lens[s];
+    const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t n = len - start, first_block = start / bs, end_block = (len + bs - 1) / bs;
+    const int32_t *table = a->block_tables + s * a->bt_stride;
+    const float *qs = a->q + s * a->q_stride;
+    float *os = a->out + s * a->out_stride;
+    if (len <= 0) return 1;
+    if (end_block > a->bt_cols) return 2;
+    for (int64_t b = first_block; b < end_block; b++)
+        if (table[b] < 0 || table[b] >= a->num_blocks) return 2;
+
+    /* scores[h * n + (p - start)] = scale * q_h . k_p, eight tokens at a time */
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t p0 = b * bs > start ? b * bs : start;
+        const int64_t p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const float *block = a->k + (int64_t)table[b] * bs * row;
+        const float *next = b + 1 < end_block ? a->k + (int64_t)table[b + 1] * bs * row : nullptr;
+        for (int64_t p = p0; p < p1; p += 8) {
+            const int64_t m = p1 - p < 8 ? p1 - p : 8;
+            const float *keys = block + (p - b * bs) * row;
+            for (int64_t h = 0; h < heads; h++) {
+                if (next) prefetch_part(next + (p - b * bs) * row, m * row, h, heads);
+                const float *qh = qs + h * D, *kh = keys + (h / group) * D;
+                float *sh = scores + h * n - start + p;
+#ifdef HAVE_DOT8
+                if (m == 8 && D % 8 == 0) {
+                    _mm256_storeu_ps(sh, _mm256_mul_ps(dot8(qh, kh, row, D),
+                                                       _mm256_set1_ps(a->scale)));
+                    continue;
+                }
+#endif
+                for (int64_t j = 0; j < m; j++) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[j * row + d];
+                    sh[j] = dot * a->scale;
+                }
+            }
+        }
+    }
+    /* softmax per head, in place; each head's output starts at zero */
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * n, max = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) max = sh[t] > max ? sh[t] : max;
+        for (int64_t t = 0; t < n; t++) sh[t] = exp_nonpositive(sh[t] - max);
+        for (int64_t t = 0; t < n; t++) sum += sh[t];
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+        float *oh = os + h * D;
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
+    }
+    /* out_h += p_h,p * v_p */
+    for (int64_t b = first_block; b < end_block; b++) {
+        const int64_t p0 = b * bs > start ? b * bs : start;
+        const int64_t p1 = (b + 1) * bs < len ? (b + 1) * bs : len;
+        const float *block = a->v + (int64_t)table[b] * bs * row;
+        const float *next = b + 1 < end_block ? a->v + (int64_t)table[b + 1] * bs * row : nullptr;
+        for (int64_t h = 0; h < heads; h++) {
+            if (next) prefetch_part(next, bs * row, h, heads);
+            const float *sh = scores + h * n - start, *vh = block + (h / group) * D;
+            float *oh = os + h * D, acc[D];
+            for (int64_t d = 0; d < D; d++) acc[d] = oh[d];
+            for (int64_t p = p0; p < p1; p++) {
+                const float w = sh[p], *value = vh + (p - b * bs) * row;
+                for (int64_t d = 0; d < D; d++) acc[d] += w * value[d];
+            }
+            for (int64_t d = 0; d < D; d++) oh[d] = acc[d];
+        }
+    }
+    return 0;
+}
+
+static void run(Job *a) {
+    const int64_t D = a->head_dim;
+    std::unique_ptr<float[]> scores(new (std::nothrow) float[a->num_heads * a->max_len]);
+    if (!scores) { a->status = 3; return; }
+    for (int64_t s = a->first; s < a->last && !a->status; s++) {
+        if (D == 64) a->status = attend_sequence(a, s, 64, scores.get());  /* constant head_dims */
+        else if (D == 128) a->status = attend_sequence(a, s, 128, scores.get());  /* unroll fully */
+        else a->status = attend_sequence(a, s, D, scores.get());
+    }
+}
+
+const char *const DECODE_ERRORS[] = {
+    "", "a sequence of length < 1",
+    "a block id outside the KV cache, or a context longer than its block table", "out of memory"};
+
+void check_float_rows(const at::Tensor &x, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat, op, ": ", name,
+                      " must be a float32 CPU tensor");
+}
+
+/* [tokens, heads, head_dim] whose heads are one contiguous row per token (any row stride) */
+bool heads_side_by_side(const at::Tensor &x) {
+    return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+/* out[i] = attention of q[i] over sequence i's context (its seq_lens[i] tokens, or the last
+ * `window` of them when window > 0), for the first len(q) sequences, split into `parts`
+ * (<= 0: torch's thread count) of about equal token counts that torch's threads share.
+ * Bad input raises ValueError (out may then be partly written). */
+void paged_decode(const at::Tensor &q, const at::Tensor &kv_cache, const at::Tensor &block_tables,
+                  const at::Tensor &seq_lens, double scale, const at::Tensor &out, int64_t window,
+                  int64_t parts) {
+    const char *op = "paged_decode";
+    check_float_rows(q, op, "q");
+    check_float_rows(out, op, "out");
+    check_float_rows(kv_cache, op, "kv_cache");
+    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(out) &&
+                      out.sizes() == q.sizes(),
+                      "paged_decode: q and out must be float32 rows of [heads, head_dim]");
+    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                      kv_cache.size(4) == q.size(2),
+                      "paged_decode: kv_cache must be a contiguous [2, blocks, block_size, "
+                      "kv_heads, head_dim] of q's head_dim");
+    const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = kv_cache.size(3);
+    TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                      block_tables.stride(1) == 1 && seq_lens.scalar_type() == at::kInt &&
+                      seq_lens.dim() == 1 && seq_lens.is_contiguous() &&
+                      block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+                      "paged_decode: block_tables and seq_lens must be int32 CPU rows");
+    TORCH_CHECK_VALUE(block_tables.size(0) >= n && seq_lens.size(0) >= n,
+                      "paged_decode: fewer block tables or lengths than queries");
+    TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0 && d >= 1,
+                      "paged_decode: a bad shape (heads not a multiple of KV heads?)");
+    if (n == 0) return;
+    const int32_t *lens = seq_lens.data_ptr<int32_t>();
+    int64_t total = 0, max_len = 1;
+    for (int64_t s = 0; s < n; s++) {
+        int64_t len = lens[s];
+        TORCH_CHECK_VALUE(len >= 1, "paged_decode: ", DECODE_ERRORS[1]);
+        if (window > 0 && len > window) len = window;
+        total += len;
+        max_len = len > max_len ? len : max_len;
+    }
+    if (parts < 1) parts = at::get_num_threads();
+    if (parts > n) parts = n;
+    const float *k = kv_cache.data_ptr<float>();
+    const int64_t cache_half = kv_cache.stride(0);
+    std::vector<Job> jobs(parts);
+    int64_t s = 0, done = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        jobs[i] = Job{q.data_ptr<float>(), k, k + cache_half, out.data_ptr<float>(),
+                      block_tables.data_ptr<int32_t>(), lens, block_tables.stride(0),
+                      block_tables.size(1), q.stride(0), out.stride(0), heads, kv_heads, d,
+                      kv_cache.size(2), kv_cache.size(1), window, (float)scale, s, s, max_len, 0};
+        const int64_t target = total * (i + 1) / parts;  /* about equal token counts */
+        while (s < n && (done < target || i == parts - 1)) {
+            const int64_t len = lens[s];
+            done += (window > 0 && len > window) ? window : len;
+            s++;
+        }
+        jobs[i].last = s;
+    }
+    /* torch's own threads: awake and waiting right after torch's previous op, where threads of
+     * our own would compete with them */
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) run(&jobs[i]);
+    });
+    for (const Job &j : jobs)
+        TORCH_CHECK_VALUE(j.status == 0, "paged_decode: ", DECODE_ERRORS[j.status]);
+}
+
+/* ---- elementwise ops: rows split between torch's threads when there is enough work ---- */
+
+constexpr int64_t PARALLEL_MIN_ELEMENTS = 65536;
+
+/* rows of at least PARALLEL_MIN_ELEMENTS in all per thread, so small calls stay on one */
+int64_t grain(int64_t row_elements) {
+    return row_elements > 0 ? std::max<int64_t>(1, PARALLEL_MIN_ELEMENTS / row_elements) : 1;
+}
+
+/* [..., n] whose last dim is contiguous and whose rows are one stride apart */
+int64_t row_stride(const at::Tensor &x, const char *op, const char *name) {
+    check_float_rows(x, op, name);
+    TORCH_CHECK_VALUE(x.dim() >= 1 && x.stride(-1) == 1 && (x.dim() <= 2 || x.is_contiguous()),
+                      op, ": ", name, " must be rows with a contiguous last dim");
+    return x.dim() >= 2 ? x.stride(-2) : x.size(-1);
+}
+
+/* out[i] = weight * r / sqrt(mean(r^2) + eps), r = x[i] (+ residual[i], then also written to
+ * residual_out[i]) */
+void rms_norm_rows(const float *x, int64_t x_stride, const float *residual, int64_t r_stride,
+                   const float *weight, float *out, float *residual_out, int64_t rows,
+                   int64_t hidden, float eps) {
+    at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+            const float *xi = x + i * x_stride;
+            float *oi = out + i * hidden, sum = 0.f;
+            if (residual) {
+                const float *ri = residual + i * r_stride;
+                float *roi = residual_out + i * hidden;
+                for (int64_t j = 0; j < hidden; j++) {
+                    const float r = xi[j] + ri[j];
+                    roi[j] = r;
+                    sum += r * r;
+                }
+                xi = roi;
+            } else {
+                for (int64_t j = 0; j < hidden; j++) sum += xi[j] * xi[j];
+            }
+            const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+            for (int64_t j = 0; j < hidden; j++) oi[j] = weight[j] * (xi[j] * inv);
+        }
+    });
+}
+
+int64_t norm_checks(const at::Tensor &x, const at::Tensor &weight) {
+    const int64_t hidden = x.size(-1);
+    check_float_rows(weight, "rms_norm", "weight");
+    TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(),
+                      "rms_norm: weight must be a contiguous [hidden]");
+    return hidden;
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    const int64_t stride = row_stride(x, "rms_norm", "x"), hidden = norm_checks(x, weight);
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    rms_norm_rows(x.data_ptr<float>(), stride, nullptr, 0, weight.data_ptr<float>(),
+                  out.data_ptr<float>(), nullptr, hidden ? x.numel() / hidden : 0, hidden,
+                  (float)eps);
+    return out;
+}
+
+/* (rms_norm(x + residual), x + residual) */
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor &x,
+                                                      const at::Tensor &residual,
+                                                      const at::Tensor &weight, double eps) {
+    const int64_t stride = row_stride(x, "rms_norm", "x"), hidden = norm_checks(x, weight);
+    const int64_t r_stride = row_stride(residual, "rms_norm", "residual");
+    TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "rms_norm: residual must be x's shape");
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    at::Tensor new_residual = at::empty(x.sizes(), x.options());
+    rms_norm_rows(x.data_ptr<float>(), stride, residual.data_ptr<float>(), r_stride,
+                  weight.data_ptr<float>(), out.data_ptr<float>(), new_residual.data_ptr<float>(),
+                  hidden ? x.numel() / hidden : 0, hidden, (float)eps);
+    return {out, new_residual};
+}
+
+/* out[i, j] = silu(x[i, j]) * x[i, d + j]: x's rows are [gate | up], silu(g) = g * sigmoid(g) */
+at::Tensor silu_and_mul(const at::Tensor &x) {
+    const int64_t stride = row_stride(x, "silu_and_mul", "x"), d = x.size(-1) / 2;
+    TORCH_CHECK_VALUE(x.size(-1) % 2 == 0, "silu_and_mul: the last dim must be even");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = d;
+    at::Tensor out = at::empty(shape, x.options());
+    const int64_t rows = d ? out.numel() / d : 0;
+    const float *xp = x.data_ptr<float>();
+    float *op = out.data_ptr<float>();
+    at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+            const float *gate = xp + i * stride, *up = gate + d;
+            float *oi = op + i * d;
+            for (int64_t j = 0; j < d; j++) {
+                const float g = gate[j], e = exp_nonpositive(g < 0.f ? g : -g);  /* e^-|g| */
+                const float sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+                oi[j] = g * sigmoid * up[j];
+            }
+        }
+    });
+    return out;
+}
+
+/* Rotary embedding, "neox" layout, out of place: for token t at position positions[t], each
+ * head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with cos | sin the row of
+ * cos_sin (d/2 each). q: [tokens, heads, d] with heads side by side (any token stride), k
+ * likewise; the outputs are contiguous. A position outside the table raises IndexError. */
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
+                                                    const at::Tensor &q, const at::Tensor &k,
+                                                    const at::Tensor &cos_sin) {
+    check_float_rows(q, "rotary_embedding", "q");
+    check_float_rows(k, "rotary_embedding", "k");
+    check_float_rows(cos_sin, "rotary_embedding", "cos_sin_cache");
+    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(k) && k.size(0) == q.size(0) &&
+                      k.size(2) == q.size(2) && q.size(2) % 2 == 0,
+                      "rotary_embedding: q and k must be [tokens, heads, head_dim] rows");
+    TORCH_CHECK_VALUE(cos_sin.dim() == 2 && cos_sin.is_contiguous() &&
+                      cos_sin.size(1) == q.size(2),
+                      "rotary_embedding: cos_sin_cache must be a contiguous [positions, head_dim]");
+    TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                      positions.device().is_cpu() && positions.numel() == q.size(0),
+                      "rotary_embedding: positions must be int64, one per token");
+    const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+    const int64_t half = d / 2, max_position = cos_sin.size(0);
+    at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+    const int64_t *pos = positions.data_ptr<int64_t>();
+    const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+    const float *table = cos_sin.data_ptr<float>();
+    float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
+    const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, tokens, grain((heads + kv_heads) * d), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; t++) {
+            const int64_t p = pos[t];
+            if (p < 0 || p >= max_position) { bad = true; continue; }
+            const float *cos = table + p * d, *sin = cos + half;
+            for (int64_t which = 0; which < 2; which++) {
+                const int64_t n = which ? kv_heads : heads;
+                const float *src = which ? kp + t * k_stride : qp + t * q_stride;
+                float *dst = which ? ko + t * kv_heads * d : qo + t * heads * d;
+                for (int64_t h = 0; h < n; h++) {
+                    const float *x1 = src + h * d, *x2 = x1 + half;
+                    float *o1 = dst + h * d, *o2 = o1 + half;
+                    for (int64_t j = 0; j < half; j++) {
+                        o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
+                        o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
+                    }
+                }
+            }
+        }
+    });
+    TORCH_CHECK_INDEX(!bad, "rotary_embedding: a position outside [0, ", max_position, ")");
+    return {q_out, k_out};
+}
+
+}  // namespace
+
+/* The operators' schemas (what torch.compile and the dispatcher see); their shape functions for
+ * tracing are in cpu_kernels.py (torch.library.register_fake). */
+TORCH_LIBRARY(minivllm_cpu, m) {
+    m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+          "float scale, Tensor(a!) out, int window, int parts) -> ()");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) "
+          "-> (Tensor, Tensor)");
+    m.def("silu_and_mul(Tensor x) -> Tensor");
+    m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) "
+          "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
+    m.impl("paged_decode", &paged_decode);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+    m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("rotary_embedding", &rotary_embedding);
+}
