@@ -143,3 +143,11 @@ def test_first_difference_and_prefix():
     ex = Exercise("0.3")
     with pytest.raises(CheckFailed, match="stops after 2 items, expected 3"):
         ex.compare_lists("tokens", [1, 2], [1, 2, 3])
+
+
+def test_an_import_inside_the_function_is_refused_before_it_runs():
+    def imports_inside(x, w, eps):
+        from minivllm.model.layers import rms_norm
+        return rms_norm(x, w, eps)
+    with pytest.raises(Delegated, match="import minivllm.model.layers"):
+        _ex().take(imports_inside)

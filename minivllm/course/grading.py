@@ -30,6 +30,7 @@ and what the learner may use instead.
 from __future__ import annotations
 
 import builtins
+import dis
 import functools
 import importlib
 import inspect
@@ -99,11 +100,16 @@ def is_learner_code(obj) -> bool:
     """Was ``obj`` (a function, code object or class) written outside the installed packages:
     in a notebook cell, a script, a test?"""
     if isinstance(obj, type):
+        # a package's class is defined in a library file and found there under its name; a
+        # notebook's (whatever its __module__ says: __main__, builtins under exec) is not
         module = sys.modules.get(obj.__module__)
         file = getattr(module, "__file__", None)
-        if obj.__module__ == "builtins":
-            return False
-        return file is None or not _is_library_file(file)
+        found = module
+        for part in obj.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is obj and (file is None and obj.__module__ == "builtins"):
+            return False  # int, dict, ...
+        return found is not obj or file is None or not _is_library_file(file)
     code = getattr(obj, "__code__", obj)
     if not isinstance(code, types.CodeType):
         return False
@@ -147,8 +153,10 @@ class Exercise:
     that are its answer (refused), and what the learner may use instead (said when refused)."""
 
     def __init__(self, number: str, convention: str = "", answer: Iterable[str] = (),
-                 allowed: str = "", builtin: dict[str, str] | None = None) -> None:
+                 allowed: str = "", builtin: dict[str, str] | None = None,
+                 required: Iterable[str] = ()) -> None:
         self.number, self.convention, self.allowed = number, convention, allowed
+        self.required = tuple(required)  # methods the learner's class must define itself
         self._answer_names = tuple(answer)
         self._builtin = dict(builtin or {})  # builtin name -> why it is refused
         self._ready = False
@@ -202,7 +210,6 @@ class Exercise:
         self._classes: list[tuple[type, str]] = []
         self._code_names: dict[types.CodeType, str] = {}
         self._copies: dict[tuple, str] = {}
-        self._method_names: set[str] = set()
         for name in self._answer_names:
             obj = resolve(name)
             shown = name.replace(":", ".")
@@ -210,23 +217,25 @@ class Exercise:
             if isinstance(obj, type):
                 self._classes.append((obj, shown))
                 for attr, value in vars(obj).items():
-                    for fn in _functions_of(value):
-                        self._code_names.setdefault(fn.__code__, f"{shown}.{attr}")
+                    fns = _functions_of(value)
+                    for fn in fns:
                         self._objects.setdefault(id(fn), (fn, f"{shown}.{attr}"))
+                    if fns:  # the innermost's code (a decorator's wrapper code is shared)
+                        self._code_names.setdefault(fns[-1].__code__, f"{shown}.{attr}")
                 continue
-            if "." in name.partition(":")[2]:
-                self._method_names.add(name.rsplit(".", 1)[1])
-            for fn in _functions_of(obj):
+            fns = _functions_of(obj)
+            for fn in fns:
                 self._objects.setdefault(id(fn), (fn, shown))
-                self._code_names[fn.__code__] = shown
-                self._copies[_fingerprint(fn.__code__)] = shown
+            if fns:
+                self._code_names[fns[-1].__code__] = shown
+                self._copies[_fingerprint(fns[-1].__code__)] = shown
         for bname in self._builtin:
             obj = getattr(builtins, bname)
-            self._objects[id(obj)] = (obj, f"Python's {bname}()")
+            self._objects[id(obj)] = (obj, f"Python's built-in {bname}()")
         self._ready = True
 
     def _refuse(self, route: str, how: str, name: str) -> NoReturn:
-        why = self._builtin.get(name.removeprefix("Python's ").removesuffix("()"), "")
+        why = self._builtin.get(name.removeprefix("Python's built-in ").removesuffix("()"), "")
         message = (f"{route} {how} {name}, " + (why or
                    "the package's own answer. The exercise is to write it: while it is graded, "
                    "the package's answer is refused however it is reached (imported, aliased, "
@@ -287,7 +296,7 @@ class Exercise:
             self._visit(type(x), route, seen, None, depth + 1)  # an instance of a learner's class
 
     def _visit_class(self, cls: type, route: str, seen: set, depth: int) -> None:
-        names = set(self._method_names)
+        names = set(self.required)
         for klass in cls.__mro__:
             if is_learner_code(klass):
                 names.update(vars(klass))
@@ -300,14 +309,22 @@ class Exercise:
                     isinstance(value, (staticmethod, classmethod, property)):
                 continue
             defining = next((k for k in cls.__mro__ if name in vars(k)), cls)
-            how = "" if defining is cls or is_learner_code(defining) else " (inherited)"
-            self._visit(value, f"{route}.{name}{how}", seen, defining, depth + 1)
+            if is_learner_code(defining):
+                self._visit(value, f"{route}.{name}", seen, defining, depth + 1)
+            elif name in self.required:
+                self._match(value, f"{route} does not define {name}: it inherits one that")
 
     def _visit_function(self, fn: types.FunctionType, route: str, seen: set,
                         owner: type | None, depth: int) -> None:
         names: list[str] = []
+        imported: list[str] = []  # modules its body imports (``from X import Y`` inside it)
         for code in _codes(fn.__code__):
             names.extend(n for n in code.co_names if n not in names)
+            imported.extend(i.argval for i in dis.get_instructions(code)
+                            if i.opname == "IMPORT_NAME" and i.argval in sys.modules)
+        for module in imported:
+            self._visit_members(sys.modules[module], names, f"{route} -> import {module}", seen,
+                                depth + 1)
         for cell, free in zip(fn.__closure__ or (), fn.__code__.co_freevars):
             try:
                 value = cell.cell_contents
@@ -321,6 +338,10 @@ class Exercise:
         bases = owner.__mro__[1:] if owner is not None and "super" in names else ()
         g = fn.__globals__
         for name in names:
+            if owner is not None:  # self.name: a method inherited from the package
+                defining = next((k for k in owner.__mro__ if name in vars(k)), None)
+                if defining is not None and not is_learner_code(defining):
+                    self._match(vars(defining)[name], f"{route} -> self.{name}")
             if name in g:
                 value = g[name]
                 self._visit(value, f"{route} -> {name}", seen, None, depth + 1)
@@ -413,16 +434,10 @@ class Exercise:
             async def watched_agen(*args, **kwargs):
                 agen = ex._run(fn, args, kwargs)
                 while True:
-                    ex._enter()
                     try:
-                        step = agen.__anext__()
-                        item = await step
+                        item = await _Stepped(ex, agen.__anext__())
                     except StopAsyncIteration:
-                        ex.check_hits()
                         return
-                    finally:
-                        ex._exit()
-                    ex.check_hits()
                     yield item
             return watched_agen
         if inspect.isgeneratorfunction(fn):
@@ -439,13 +454,7 @@ class Exercise:
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def watched_coro(*args, **kwargs):
-                coro = ex._run(fn, args, kwargs)
-                ex._enter()
-                try:
-                    return await coro
-                finally:
-                    ex._exit()
-                    ex.check_hits()
+                return await _Stepped(ex, ex._run(fn, args, kwargs))
             return watched_coro
 
         @functools.wraps(fn)
@@ -474,6 +483,36 @@ class Exercise:
         namespace["__qualname__"] = cls.__qualname__
         namespace["__doc__"] = cls.__doc__
         return type(cls.__name__, (cls,), namespace)
+
+
+class _Stepped:
+    """Awaits ``awaitable`` with the watch on only while its own code runs (each resumption),
+    not while it waits and the event loop runs other tasks."""
+
+    def __init__(self, ex: Exercise, awaitable) -> None:
+        self.ex, self.awaitable = ex, awaitable
+
+    def __await__(self):
+        it, value, error = self.awaitable.__await__(), None, None
+        while True:
+            self.ex._enter()
+            try:
+                future = it.throw(error) if error is not None else it.send(value)
+            except StopIteration as stop:
+                self.ex._exit()
+                self.ex.check_hits()
+                return stop.value
+            except BaseException as e:
+                self.ex._exit()
+                if self.ex._hits and not isinstance(e, (Delegated, StopAsyncIteration)):
+                    self.ex.check_hits()
+                raise
+            self.ex._exit()
+            self.ex.check_hits()
+            try:
+                value, error = (yield future), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaitable, as await does
+                value, error = None, e
 
 
 __all__ = ["CheckFailed", "Delegated", "Exercise", "fail", "passed", "first_difference",
