@@ -46,6 +46,12 @@ ALLOW_LONG_MAX_MODEL_LEN_ENV = "MINIVLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # compute/bandwidth ridge point: a few hundred tokens on a datacenter GPU, far fewer on a laptop
 # CPU (chapter 05 measures it).
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+# Default KV cache budget on a CPU, which has no free-memory probe (a GPU's budget is
+# gpu_memory_utilization of its memory, less the weights and a forward pass's peak)
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# A scheduler without a model (the simulator, SchedulerConfig()) has no context length to take
+# max_model_len from: this one stands in
+SCHEDULER_ONLY_MAX_MODEL_LEN = 8192
 
 
 # What each engine argument's command-line flag says (``--name-with-dashes``, vLLM's names), and
@@ -63,7 +69,8 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
     "block_size": ("tokens per KV cache block", None),
     "num_kv_blocks": ("KV cache blocks (default: from --kv-cache-memory-bytes or "
                       "--gpu-memory-utilization)", None),
-    "kv_cache_memory_bytes": ("bytes for the KV cache (CPU default: 1 GiB)", None),
+    "kv_cache_memory_bytes": (f"bytes for the KV cache (CPU default: "
+                              f"{DEFAULT_CPU_KV_CACHE_BYTES / 2 ** 30:g} GiB)", None),
     "gpu_memory_utilization": ("fraction of the GPU's memory the engine may use, "
                                "weights and KV cache together", None),
     "enable_prefix_caching": ("reuse the KV blocks of prompts' shared prefixes", None),
@@ -71,8 +78,8 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
     "scheduler": ("v1: one token budget for prefills and decodes; v0: phase-separated",
                   SCHEDULERS),
     "max_num_seqs": ("most requests running at once", None),
-    "max_num_batched_tokens": ("token budget per step (default: 512 on a CPU, 8192 on a GPU)",
-                               None),
+    "max_num_batched_tokens": (f"token budget per step (default: {DEFAULT_BATCHED_TOKENS['cpu']} "
+                               f"on a CPU, {DEFAULT_BATCHED_TOKENS['cuda']} on a GPU)", None),
     "max_model_len": ("longest prompt + output (default: the model's context length)", None),
     "enable_chunked_prefill": ("cut long prompts into chunks that share steps with decodes",
                                None),
@@ -114,7 +121,7 @@ class EngineArgs:
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None  # CPU default: 1 GiB
+    kv_cache_memory_bytes: int | None = None  # None on a CPU: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -422,20 +429,22 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """The knobs a scheduler reads (also used without a model, by the simulator)."""
+    """The knobs a scheduler reads (also used without a model, by the simulator). The
+    defaults are EngineArgs' (resolved for a CPU), for the simulator and tests that build one
+    directly; an engine's come from ``EngineArgs.create_config``."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]
+    max_model_len: int = SCHEDULER_ONLY_MAX_MODEL_LEN
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    long_prefill_token_threshold: int = EngineArgs.long_prefill_token_threshold
 
 
 @dataclass
 class ParallelConfig:
     """How the model is split across ranks, and who starts the ranks."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = EngineArgs.tensor_parallel_size
     distributed_executor_backend: str = "uni"  # "uni" | "mp" | "external_launcher"
 
 
@@ -466,9 +475,9 @@ class EngineConfig:
     device_config: DeviceConfig
     compilation_config: CompilationConfig
     # the engine's shape and its components
-    scheduler: str = "v1"  # "v1" | "v0" (ignored when scheduler_cls is given)
-    multiprocess: bool = False  # the engine core in its own process
-    trace_steps: int = 100_000
+    scheduler: str = EngineArgs.scheduler  # "v1" | "v0" (ignored when scheduler_cls is given)
+    multiprocess: bool = EngineArgs.multiprocess  # the engine core in its own process
+    trace_steps: int = EngineArgs.trace_steps
     scheduler_cls: type | None = None
     kv_cache_manager_cls: type | None = None
     block_pool_cls: type | None = None

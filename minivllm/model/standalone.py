@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from minivllm.config import EngineArgs
 from minivllm.utils import cdiv
 
 
@@ -62,7 +63,7 @@ def sequence_logits(
     model,
     token_ids: list[int],
     chunk_size: int | None = None,
-    block_size: int = 16,
+    block_size: int = EngineArgs.block_size,
     backend: str | AttentionBackend = "torch",
 ) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of the model over one sequence (float32).
@@ -88,7 +89,7 @@ def sequence_logits(
 
 @torch.inference_mode()
 def greedy_generate(
-    model, prompt_ids: list[int], num_tokens: int, block_size: int = 16
+    model, prompt_ids: list[int], num_tokens: int, block_size: int = EngineArgs.block_size
 ) -> tuple[list[int], list[float]]:
     """Greedy generation of one sequence with a KV cache (chapter 02): the prompt is computed
     once (prefill), then each step feeds only the token just chosen (decode), its keys and

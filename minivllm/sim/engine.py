@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from minivllm.config import SchedulerConfig
+from minivllm.config import EngineArgs, SchedulerConfig
 from minivllm.core.builder import build_scheduler
 from minivllm.core.request import Request
 from minivllm.engine.messages import EngineCoreRequest
@@ -72,7 +72,7 @@ class SimEngine:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = EngineArgs.block_size,
         scheduler: str = "v1",
         scheduler_config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,

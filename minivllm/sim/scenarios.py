@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from minivllm.utils import cdiv, percentile, stall_window
-from minivllm.config import SchedulerConfig
+from minivllm.config import EngineArgs, SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
 
@@ -32,7 +32,7 @@ def long_prompt_sim(
     long_prompt_len: int = 16384,
     long_prompt_arrival: float = 3.0,
     num_blocks: int = 30000,
-    block_size: int = 16,
+    block_size: int = EngineArgs.block_size,
     cost_model: CostModel | None = None,
     seed: int = 0,
 ) -> SimEngine:
@@ -102,7 +102,7 @@ def shared_system_prompt(
     output_len: int = 100,
     enable_prefix_caching: bool = True,
     num_blocks: int = 30000,
-    block_size: int = 16,
+    block_size: int = EngineArgs.block_size,
     chunk_size: int = 2048,
     arrival_spread: float = 10.0,
     cost_model: CostModel | None = None,

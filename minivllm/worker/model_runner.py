@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionMetadata, get_attention_backend
-from minivllm.config import EngineConfig
+from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from minivllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.cpu_kernels import cpu_elementwise_ops
 from minivllm.model.cpu_gemm import pack_linear_weights, should_pack
@@ -40,7 +40,6 @@ from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.utils import cdiv
 
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU: 1 GiB
 _GREEDY_EPS = 1e-5
 
 
@@ -125,7 +124,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._profile_cuda_free_memory()
         else:
-            budget = CPU_KV_CACHE_BYTES
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
         # never more blocks than max_num_seqs full-length sequences could use
         cap = (self.config.scheduler_config.max_num_seqs
                * cdiv(self.config.model_config.max_model_len, self.block_size))
