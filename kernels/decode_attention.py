@@ -31,7 +31,8 @@ import triton.language as tl
 from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # context tokens per tile
+BLOCK_N = 64  # context tokens per tile (32 for float32 at head sizes of 128 and up: decode_block_n)
+BLOCK_S = 16  # partitions the reduce kernel combines per iteration
 MIN_PARTITION = 256  # never split finer than this many tokens per program
 TARGET_PROGRAMS = 512  # split until the grid has about this many programs (~4 per SM on an H200)
 
@@ -106,29 +107,44 @@ def _decode_reduce_kernel(
     head_dim, partition_size,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Combine a (sequence, head)'s partitions, BLOCK_S at a time: the grid is sized for the
+    longest context the graphs serve (hundreds of partitions at max_model_len), and one tile
+    over all of them at once would not fit in registers."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_used = tl.cdiv(seq_len, partition_size)  # partitions that saw at least one token
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_used
-    base = seq * stride_m_seq + head * stride_m_head + s
-    m = tl.load(max_ptr + base, mask=s_mask, other=float("-inf"))
-    l = tl.load(sum_ptr + base, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    d_mask = d < head_dim
+    base = seq * stride_m_seq + head * stride_m_head
+    rows = seq * stride_acc_seq + head * stride_acc_head
+    # pass 1: the largest partition max
+    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_used, BLOCK_S):
+        m_max = tl.maximum(m_max, tl.load(max_ptr + base + s0 + s, mask=s0 + s < num_used,
+                                          other=float("-inf")))
+    m_top = tl.max(m_max, 0)
     # an empty sequence (seq_len 0) used no partition: every m is -inf, and -inf - -inf would
     # be NaN in the masked lanes (where() evaluates both sides); a finite max keeps them -inf
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    weight = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
-    rows = seq * stride_acc_seq + head * stride_acc_head + s * stride_acc_split
-    acc = tl.load(acc_ptr + rows[:, None] + d[None, :],
-                  mask=s_mask[:, None] & (d < head_dim)[None, :], other=0.0)
-    denom = tl.sum(weight * l, 0)
-    denom = tl.where(denom > 0, denom, 1.0)  # an empty sequence (seq_len 0) gives zeros
-    out = tl.sum(acc * weight[:, None], 0) / denom
+    m_top = tl.where(m_top > float("-inf"), m_top, 0.0)
+    # pass 2: the partitions' sums and outputs, each weighted by e^(m_i - M)
+    denom = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for s0 in range(0, num_used, BLOCK_S):
+        s_mask = s0 + s < num_used
+        m = tl.load(max_ptr + base + s0 + s, mask=s_mask, other=float("-inf"))
+        l = tl.load(sum_ptr + base + s0 + s, mask=s_mask, other=0.0)
+        weight = tl.where(s_mask, tl.exp2(m - m_top), 0.0)
+        part = tl.load(acc_ptr + rows + (s0 + s)[:, None] * stride_acc_split + d[None, :],
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        denom += weight * l
+        acc += part * weight[:, None]
+    total = tl.sum(denom, 0)
+    total = tl.where(total > 0, total, 1.0)  # an empty sequence (seq_len 0) gives zeros
+    out = tl.sum(acc, 0) / total
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d,
-             out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def num_decode_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> int:
@@ -136,6 +152,12 @@ def num_decode_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> int
     by_occupancy = triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
     by_length = triton.cdiv(max(1, max_seq_len), MIN_PARTITION)
     return max(1, min(by_occupancy, by_length))
+
+
+def decode_block_n(dtype: torch.dtype, block_d: int) -> int:
+    """Context tokens per tile. float32 K and V tiles of 64 x 128 need 73,728 bytes of shared
+    memory, over an sm_75's 65,536 (the ahead-of-time compile test checks every target)."""
+    return 32 if dtype == torch.float32 and block_d >= 128 else BLOCK_N
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -165,8 +187,10 @@ def paged_decode_attention(
         max_seq_len = int(seq_lens.max())
     if num_splits is None:
         num_splits = num_decode_splits(max_seq_len, num_seqs, num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = decode_block_n(q.dtype, block_d)
     # round partitions up to whole tiles so no tile straddles two programs
-    partition = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), BLOCK_N) * BLOCK_N
+    partition = triton.cdiv(triton.cdiv(max(1, max_seq_len), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(1, max_seq_len), partition)
 
     single = num_splits == 1
@@ -175,7 +199,6 @@ def paged_decode_attention(
     m = torch.empty(acc.shape[:-1], dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    block_d = triton.next_power_of_2(head_dim)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         acc, m, l, out,
@@ -186,7 +209,7 @@ def paged_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
         block_size, head_dim, partition, sliding_window or 0,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single,
         num_warps=4,
     )
@@ -198,7 +221,7 @@ def paged_decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
         head_dim, partition,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        BLOCK_S=min(BLOCK_S, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )
     return out

@@ -27,7 +27,13 @@ from minivllm.kernels.attention_tile import load_kv_tile, online_softmax_update
 from minivllm.kernels.decode_attention import LOG2E, dot_precision
 
 BLOCK_M = 64  # query tokens per program
-BLOCK_N = 64  # key tokens per tile
+BLOCK_N = 64  # key tokens per tile (both 32 for float32 at head sizes of 128 and up: prefill_tiles)
+
+
+def prefill_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N). float32 at head_dim 128 with 64 x 64 tiles needs 98,304 bytes of
+    shared memory on an sm_75 (limit 65,536) and 114,944 on an sm_86 (limit 101,376)."""
+    return (32, 32) if dtype == torch.float32 and block_d >= 128 else (BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -119,7 +125,9 @@ def paged_prefill_attention(
         return out
     assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1 and out.stride(-1) == 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n = prefill_tiles(q.dtype, block_d)
+    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -128,8 +136,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         block_size, head_dim, sliding_window or 0,
-        GROUP=num_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     return out

@@ -1,54 +1,80 @@
-"""Compile every Triton kernel for an H200 (CUDA sm_90) without a GPU: ``python tests/aot_compile.py``.
+"""Compile every Triton kernel for real GPUs without one: ``python tests/aot_compile.py``.
 
 The interpreter runs the kernels' arithmetic but not Triton's compiler: shape rules of ``tl.dot``,
-types, layouts. Triton ships ``ptxas``, so the full pipeline down to a cubin runs on any Linux
-machine. Must run without TRITON_INTERPRET (the kernels are then real JIT functions).
+types, layouts, shared memory. Triton ships ``ptxas``, so the full pipeline down to a cubin runs
+on any Linux machine. Every kernel is compiled for an H200 (sm_90); the attention kernels also for
+a T4 (sm_75, float16: no bfloat16 there) and an A10 (sm_86), in float32 and 16-bit at head size
+128, each checked against its target's shared-memory limit (the kernels pick smaller tiles for
+float32 at head size 128). Must run without TRITON_INTERPRET (the kernels are then real JIT
+functions).
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 import triton
 
 from minivllm.kernels import activation, decode_attention, prefill_attention
 from minivllm.kernels import reshape_and_cache, rms_norm, rotary_embedding
-from minivllm.kernels.aot import compile_for_sm90 as compile_for_gpu  # no alignment assumed
+from minivllm.kernels.aot import SHARED_MEMORY_LIMIT
+from minivllm.kernels.aot import compile_for_gpu as _compile  # no alignment assumed
+
+TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+over_limit: list[str] = []
+shared_used: dict[str, int] = {}
+
+
+def compile_for_gpu(fn, pointers, capability=90, **kwargs):
+    kernel = _compile(fn, pointers, capability=capability, **kwargs)
+    used = kernel.metadata.shared
+    key = f"sm_{capability} {fn.__name__} {pointers.get('q_ptr', pointers.get('x_ptr', ''))}"
+    shared_used[key] = max(used, shared_used.get(key, 0))
+    if used > SHARED_MEMORY_LIMIT[capability]:
+        over_limit.append(f"{key}: {used} > {SHARED_MEMORY_LIMIT[capability]} bytes")
+    return kernel
+
+
+def compile_attention(dt: str, group: int, head_dim: int, capability: int) -> int:
+    """The four attention kernels (decode with and without splits, reduce, prefill) and the
+    cache write, with the tiles the launchers pick for this dtype and head size."""
+    prec = "ieee" if dt == "fp32" else "tf32"
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = decode_attention.decode_block_n(TORCH_DTYPE[dt], block_d)
+    block_m, block_n_prefill = prefill_attention.prefill_tiles(TORCH_DTYPE[dt], block_d)
+    kv = dict(k_cache_ptr=dt, v_cache_ptr=dt, block_tables_ptr="i32", seq_lens_ptr="i32")
+    for single in (True, False):
+        compile_for_gpu(
+            decode_attention._decode_partition_kernel,
+            dict(q_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32", out_ptr=dt, **kv),
+            capability, floats=("qk_scale",),
+            constexprs=dict(GROUP=group, BLOCK_G=16, BLOCK_N=block_n,
+                            BLOCK_D=block_d, DOT_PRECISION=prec, SINGLE_SPLIT=single))
+    compile_for_gpu(decode_attention._decode_reduce_kernel,
+                    dict(out_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32",
+                         seq_lens_ptr="i32"), capability,
+                    constexprs=dict(BLOCK_S=decode_attention.BLOCK_S, BLOCK_D=block_d),
+                    num_warps=1 if block_d <= 64 else 2)
+    compile_for_gpu(prefill_attention._prefill_kernel,
+                    dict(q_ptr=dt, out_ptr=dt, query_start_loc_ptr="i32", **kv), capability,
+                    floats=("qk_scale",),
+                    constexprs=dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n_prefill,
+                                    BLOCK_D=block_d, DOT_PRECISION=prec), num_stages=2)
+    compile_for_gpu(reshape_and_cache._reshape_and_cache_kernel,
+                    dict(k_ptr=dt, v_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
+                         slot_mapping_ptr="i64"), capability,
+                    constexprs=dict(BLOCK_H=8, BLOCK_D=block_d))
+    return 5
 
 
 def main() -> int:
     n = 0
-    # fp32 (the CPU tests' dtype) and bf16 (a GPU's): fp16 goes through the same 16-bit path
-    for dt in ("fp32", "bf16"):
-        prec = "ieee" if dt == "fp32" else "tf32"
-        # (GQA group, head_dim): a real model's (Qwen3-0.6B) in bf16, a tiny test model's in fp32
-        # (the GPU tests run those in float32; their 16-wide tl.dot is the smallest a tensor core
-        # takes). The kernels' source is the same at every head size: BLOCK_D only sizes tiles.
-        for group, head_dim in ((2, 16),) if dt == "fp32" else ((2, 128),):
-            block_d = triton.next_power_of_2(head_dim)
-            kv = dict(k_cache_ptr=dt, v_cache_ptr=dt, block_tables_ptr="i32", seq_lens_ptr="i32")
-            for single in (True, False):
-                compile_for_gpu(
-                    decode_attention._decode_partition_kernel,
-                    dict(q_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32", out_ptr=dt, **kv),
-                    floats=("qk_scale",),
-                    constexprs=dict(GROUP=group, BLOCK_G=16, BLOCK_N=decode_attention.BLOCK_N,
-                                    BLOCK_D=block_d, DOT_PRECISION=prec, SINGLE_SPLIT=single))
-            compile_for_gpu(decode_attention._decode_reduce_kernel,
-                            dict(out_ptr=dt, acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32",
-                                 seq_lens_ptr="i32"),
-                            constexprs=dict(BLOCK_S=8, BLOCK_D=block_d), num_warps=2)
-            compile_for_gpu(prefill_attention._prefill_kernel,
-                            dict(q_ptr=dt, out_ptr=dt, query_start_loc_ptr="i32", **kv),
-                            floats=("qk_scale",),
-                            constexprs=dict(GROUP=group, BLOCK_M=prefill_attention.BLOCK_M,
-                                            BLOCK_N=prefill_attention.BLOCK_N, BLOCK_D=block_d,
-                                            DOT_PRECISION=prec), num_stages=2)
-            compile_for_gpu(reshape_and_cache._reshape_and_cache_kernel,
-                            dict(k_ptr=dt, v_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt,
-                                 slot_mapping_ptr="i64"),
-                            constexprs=dict(BLOCK_H=8, BLOCK_D=block_d))
-            n += 5
+    # sm_90: fp32 (the CPU tests' dtype; a tiny test model's head size 16 and a real one's 128)
+    # and bf16 (a GPU's) at a real model's shape (Qwen3-0.6B: GQA 2, head_dim 128)
+    for dt, shapes in (("fp32", ((2, 16), (2, 128))), ("bf16", ((2, 128),))):
+        for group, head_dim in shapes:
+            n += compile_attention(dt, group, head_dim, 90)
         for has_residual in (True, False):
             compile_for_gpu(rms_norm._rms_norm_kernel,
                             dict(x_ptr=dt, residual_ptr=dt, out_ptr=dt, residual_out_ptr=dt,
@@ -60,7 +86,16 @@ def main() -> int:
         compile_for_gpu(activation._silu_and_mul_kernel, dict(x_ptr=dt, out_ptr=dt),
                         constexprs=dict(BLOCK_ROWS=2, BLOCK=1024))
         n += 4
-    print(f"compiled {n} kernel variants for sm_90")
+    # smaller GPUs: a T4 (sm_75, whose 16-bit type is fp16) and an A10 (sm_86)
+    for capability, half in ((75, "fp16"), (86, "bf16")):
+        for dt in ("fp32", half):
+            n += compile_attention(dt, 2, 128, capability)
+    for key, used in sorted(shared_used.items()):
+        print(f"{key}: {used} bytes of shared memory")
+    if over_limit:
+        print("over the shared-memory limit:\n  " + "\n  ".join(over_limit), file=sys.stderr)
+        return 1
+    print(f"compiled {n} kernel variants for sm_75, sm_86 and sm_90, each within its shared memory")
     return 0
 
 
