@@ -62,8 +62,8 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
     "tokenizer": ("tokenizer folder or hub name (default: the model's)", None),
     "skip_tokenizer_init": ("token ids in, token ids out (no tokenizer is loaded)", None),
     "revision": ("the hub revision (branch, tag or commit) of the model", None),
-    "dtype": ("weights and activations (auto: float32 on a CPU, the checkpoint's half type on "
-              "a GPU)", ("auto", *_DTYPES)),
+    "dtype": ("weights and activations (auto: float32 on a CPU; on a GPU bfloat16, or float16 "
+              "below compute capability 8.0 or for a float16 checkpoint)", ("auto", *_DTYPES)),
     "device": ("auto | cpu | cuda | cuda:N", None),
     "seed": ("the engine's random seed", None),
     "block_size": ("tokens per KV cache block", None),
@@ -547,5 +547,10 @@ def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dty
         return getattr(torch, _DTYPES[dtype])
     if device.type != "cuda":
         return torch.float32  # CPUs run fp32 fastest and exactly
-    # on a GPU, keep the checkpoint's half type; float32 checkpoints serve in bfloat16
-    return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    # on a GPU, a 16-bit type the device runs natively: bfloat16 from compute capability 8.0
+    # (A100, H100...); below (T4, V100) float16, since bfloat16 is emulated there, slower than
+    # float32 (torch.cuda.is_bf16_supported() says yes anyway). A float16 checkpoint stays float16.
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8 or checkpoint_dtype == torch.float16:
+        return torch.float16
+    return torch.bfloat16

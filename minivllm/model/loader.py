@@ -1,7 +1,8 @@
 """Load a checkpoint's safetensors into the from-scratch model, by name.
 
-The model is built on the ``meta`` device (no memory, no random init), materialised empty on
-the target device, then every parameter is filled from the checkpoint. Nothing is left
+The model is built on the ``meta`` device (no memory, no random init), cast to the serving
+dtype there, materialised empty on the target device, then every parameter is filled from the
+checkpoint. Nothing is left
 uninitialised silently: a missing tensor is an error.
 
 With tensor parallelism each parameter belongs to a layer that knows its rank's slice
@@ -47,7 +48,9 @@ def load_model(
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = _MODEL_CLASSES[config.family](config)
-    model = model.to_empty(device=device).to(dtype)
+    # cast while the parameters are still meta (free), then materialise in the serving dtype:
+    # never a float32 copy of the model on the device (4 bytes a parameter, then 2 more)
+    model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty() unties shared parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, folder, show_progress=show_progress)

@@ -24,17 +24,20 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [rows] float32; < 1e-5 means greedy
     all_greedy: bool
     top_k: torch.Tensor | None = None  # [rows] int64, 0 = off; None: no row uses it
+    max_top_k: int | None = None  # the largest top_k, known on the host (spares a device sync)
     top_p: torch.Tensor | None = None  # [rows] float32, 1 = off; None: no row uses it
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded RNG
     generator: torch.Generator | None = None  # for rows without a seed
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits (0 = all), without sorting the vocabulary:
     ``topk`` of the largest k asked for gives every row's k-th largest value, its threshold."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    max_k = int(k[top_k > 0].max()) if bool((top_k > 0).any()) else vocab
+    if max_k is None:  # read back from the device: two host syncs
+        max_k = int(k[top_k > 0].max()) if bool((top_k > 0).any()) else vocab
+    max_k = min(max_k, vocab)
     values = logits.topk(max_k, dim=-1).values  # [rows, max_k], descending
     threshold = values.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
     threshold = torch.where((top_k > 0).unsqueeze(1), threshold, float("-inf"))
@@ -42,12 +45,13 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p set to -inf. Top-p needs the whole sorted
     distribution (one sort, which then serves top-k too); top-k alone does not."""
     if top_p is None:
-        return logits if top_k is None else apply_top_k(logits, top_k)
+        return logits if top_k is None else apply_top_k(logits, top_k, max_top_k)
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if top_k is not None:
@@ -83,6 +87,7 @@ class Sampler(nn.Module):
             return greedy
         is_greedy = meta.temperature < _EPS
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
-        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), meta.top_k, meta.top_p)
+        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), meta.top_k, meta.top_p,
+                                   meta.max_top_k)
         sampled = exponential_race(logits.softmax(dim=-1), meta.generators, meta.generator)
         return torch.where(is_greedy, greedy, sampled)

@@ -59,6 +59,32 @@ class CpuGpuBuffer:
         return self.gpu[:n]
 
 
+class CopyFence:
+    """Keeps the host from rewriting pinned buffers that a ``non_blocking`` copy may still be
+    reading. A step records an event after its host-to-device copies; the next step waits on it
+    before it writes those buffers again. Most steps sync anyway (the sampled tokens come back to
+    the host), but a step that samples nothing (a chunk in the middle of a long prompt) does not:
+    without the fence, the next step's inputs could overwrite this step's slot mapping before
+    the GPU read it, and K/V would land in the wrong slots. No-op on a CPU (nothing is copied).
+    """
+
+    def __init__(self, device: torch.device, event_factory=None) -> None:
+        if event_factory is None and device.type == "cuda":
+            event_factory = torch.cuda.Event
+        self._factory = event_factory
+        self._event = None
+
+    def record(self) -> None:
+        if self._factory is not None:
+            self._event = self._factory()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
@@ -105,6 +131,9 @@ class ModelRunner:
         self.slot_mapping = CpuGpuBuffer(max_tokens, torch.int64, self.device)
         self.query_start_loc = CpuGpuBuffer(max_reqs + 1, torch.int32, self.device)
         self.seq_lens = CpuGpuBuffer(max_reqs, torch.int32, self.device)
+        # rows of the hidden states to sample from (pinned too: a pageable copy would sync)
+        self.logits_indices = CpuGpuBuffer(max_reqs, torch.int64, self.device)
+        self.copy_fence = CopyFence(self.device)
         self.arange = np.arange(max(max_tokens, max_reqs + 1), dtype=np.int64)
         self._batch_sampling_metadata: SamplingMetadata | None = None
 
@@ -332,6 +361,7 @@ class ModelRunner:
         top_k, top_p = batch.top_k[rows], batch.top_p[rows]
         if (top_k > 0).any():
             meta.top_k = torch.from_numpy(top_k).to(dev)
+            meta.max_top_k = int(top_k[top_k > 0].max())  # from the host copy: no device sync
         if (top_p < 1.0).any():
             meta.top_p = torch.from_numpy(top_p).to(dev)
         if batch.generators:
@@ -342,10 +372,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # the last step's copies out of the pinned buffers (the block table's too) must be done
+        # before _update_states and prepare_inputs write them again
+        self.copy_fence.wait()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         input_ids, positions, meta, sample_rows, cu = self.prepare_inputs(scheduler_output)
+        if not len(sample_rows):
+            self.copy_fence.record()  # nothing sampled: no sync ends this step
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
         else:
@@ -357,7 +392,10 @@ class ModelRunner:
         req_ids = batch.req_ids[:n]
         sampled: list[list[int]] = [[] for _ in range(n)]
         if len(sample_rows):
-            logits_indices = torch.from_numpy(cu[sample_rows] - 1).to(self.device)
+            k = len(sample_rows)
+            np.subtract(cu[sample_rows], 1, out=self.logits_indices.np[:k])
+            logits_indices = self.logits_indices.copy_to_gpu(k)
+            self.copy_fence.record()
             logits = self.model.compute_logits(hidden[logits_indices])
             tokens = self.sampler(logits, self._sampling_metadata(sample_rows)).cpu().numpy()
             batch.append_sampled(sample_rows, tokens)

@@ -24,6 +24,11 @@ from minivllm.distributed import parallel_state
 class Worker:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.rank, self.world_size = 0, 1
+        device = config.device_config.device
+        if device.type == "cuda" and device.index is not None:
+            # cuda:N with one rank: make it the current device, or torch.cuda.synchronize(),
+            # graph capture and new streams would work on device 0
+            torch.cuda.set_device(device)
         if config.parallel_config.tensor_parallel_size > 1:
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
             if config.device_config.device.type == "cuda":
