@@ -110,3 +110,21 @@ def make_checkpoint(
     if tokenizer_from:
         copy_tokenizer(tokenizer_from, folder)
     return folder
+
+
+# -- reaching inside an in-process engine (tests, benchmarks and course checks look at its parts)
+
+def engine_core(llm):
+    """The ``EngineCore`` behind an ``LLM``, ``LLMEngine`` or ``AsyncLLM`` whose core runs in
+    this process (its client holds it as ``engine_core``)."""
+    client = getattr(llm, "llm_engine", llm).engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise ValueError(f"the engine core runs in another process ({type(client).__name__}): "
+                         "its parts are not reachable from here")
+    return core
+
+
+def model_runner(llm):
+    """The model runner of an in-process engine (``engine_core(llm).model_runner``)."""
+    return engine_core(llm).model_runner

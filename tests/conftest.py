@@ -2,15 +2,13 @@
 
 * TRITON_INTERPRET=1 is set before anything imports triton, when no CUDA device is present,
   so every Triton kernel runs (slowly, exactly) on the CPU.
-* No model hub: HF_HUB_OFFLINE=1. Models are the bundled SmolLM2 or tiny random-weight
-  checkpoints written here with transformers.
+* No model hub (HF_HUB_OFFLINE=1, with TOKENIZERS_PARALLELISM=false: the repository's
+  conftest.py sets both for the tests and the notebooks alike). Models are the bundled SmolLM2 or
+  tiny random-weight checkpoints written here with transformers.
 * ``@pytest.mark.gpu`` tests are skipped cleanly without CUDA.
 """
 
 import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 

@@ -14,6 +14,7 @@ import pytest
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.exceptions import EngineDeadError
+from minivllm.testing import engine_core
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
@@ -192,7 +193,7 @@ def test_core_loop_error_fails_requests_inprocess(tiny_llama):
     async def run():
         engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, max_model_len=512),
                                            show_progress=False)
-        core = engine.engine_core.engine_core
+        core = engine_core(engine)
         step = core.step
 
         def failing_step():

@@ -14,7 +14,10 @@ def test_bench_overhead_parts_add_up(tiny_llama, tmp_path):
         r = result["by_batch"][batch]
         parts = sum(r[p] for p in ("schedule", "prepare_inputs", "forward", "sample", "update",
                                    "output_processing"))
-        assert all(r[p] >= 0 for p in ("schedule", "forward", "sample", "update"))
+        # every part runs in every step: one whose timer is lost reads 0
+        assert all(r[p] > 0 for p in ("schedule", "prepare_inputs", "forward", "sample",
+                                      "update", "output_processing")), r
+        assert r["forward"] > r["schedule"]  # the model's work, not the bookkeeping, dominates
         assert 0 < parts <= r["step"] * 1.01 and r["step"] > 0
     assert result["host_speed"]["python_ms"] > 0 and result["host_speed"]["torch_op_us"] > 0
 

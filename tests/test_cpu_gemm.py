@@ -6,13 +6,14 @@ import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_gemm
+from minivllm.testing import model_runner
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="torch without oneDNN")
 
 
 def _runner_model(llm):
-    return llm.llm_engine.engine_core.engine_core.model_runner.model
+    return model_runner(llm).model
 
 
 @pytest.mark.parametrize("rows,out_features,in_features,bias", [

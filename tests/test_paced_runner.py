@@ -7,6 +7,7 @@ import pytest
 
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.sim.paced_runner import PacedModelRunner
+from minivllm.testing import model_runner
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def paced_llm():
 
 
 def test_every_request_gets_its_tokens_and_the_steps_take_their_modelled_time(paced_llm):
-    runner = paced_llm.llm_engine.engine_core.engine_core.model_runner
+    runner = model_runner(paced_llm)
     assert isinstance(runner, PacedModelRunner)
     before = runner.modelled_time_s
     start = time.perf_counter()

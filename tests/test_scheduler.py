@@ -120,8 +120,32 @@ def test_preempted_request_recomputes_from_its_cached_prefix():
     assert sim.kv_cache_manager.get_num_free_blocks() == 10
 
 
-def test_v0_scheduler_is_a_drop_in_subclass():
-    assert issubclass(PhaseSeparatedScheduler, Scheduler)
+def test_v0_scheduler_is_a_drop_in_replacement_for_v1():
+    """The same engine with scheduler="v0" instead of "v1", on the same workload with an abort
+    and prefix sharing: every other request gets the same number of tokens, the aborted one stops
+    early in both, the prefix cache serves the second prompt in both, and every block returns
+    to the pool; only the steps differ (v0 never mixes a prompt with decodes, v1 does here)."""
+    runs = {}
+    for kind, cls in (("v1", Scheduler), ("v0", PhaseSeparatedScheduler)):
+        sim = _sim(kind, budget=64, max_model_len=64)
+        assert type(sim.scheduler) is cls
+        shared = list(range(200, 208))  # two full blocks both prompts start with
+        sim.add_request("a", shared + [1, 2, 3], max_tokens=8)
+        sim.add_request("b", shared + [4, 5], max_tokens=5, arrival_time=0.01)
+        sim.add_request("gone", list(range(30, 42)), max_tokens=40)
+        for _ in range(3):
+            sim.step()
+        sim.abort("gone")
+        steps = _steps(sim)
+        assert sim.kv_cache_manager.get_num_free_blocks() == 64
+        runs[kind] = ({rid: (len(r.token_times), r.finished, r.num_cached_tokens)
+                       for rid, r in sim.records.items()},
+                      any(1 in s.values() and max(s.values()) > 1 for s in steps))
+    (v1, v1_mixes), (v0, v0_mixes) = runs["v1"], runs["v0"]
+    assert v0["a"] == v1["a"] == (8, True, 0) and v0["b"] == v1["b"] == (5, True, 8)  # 2 blocks
+    for run in (v0, v1):  # stopped where it was aborted (how far it got is the schedule's)
+        assert run["gone"][1] and 0 < run["gone"][0] < 40
+    assert v1_mixes and not v0_mixes
 
 
 def _scheduler(cls=Scheduler, caching=True):

@@ -15,7 +15,7 @@ from minivllm.benchmarks.tensor_parallel import collective_figures, executor_of,
 from minivllm.config import EngineArgs
 from minivllm.model.config import ModelConfig
 from minivllm.model.parallel_layers import check_tensor_parallel_size, kv_head_partition
-from minivllm.testing import TINY_PRESETS, make_checkpoint
+from minivllm.testing import TINY_PRESETS, engine_core, make_checkpoint
 
 PROMPTS = ["Hello, my name is", "The capital of France is a city that",
            " ".join(str(i) for i in range(30))]  # long enough to be prefilled in chunks
@@ -111,7 +111,7 @@ def test_each_rank_loads_its_slice(peaked_models, tp):
 
 
 def _workers(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.model_executor.workers
+    return engine_core(llm).model_executor.workers
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from minivllm import LLM, EngineArgs, SamplingParams  # noqa: E402
 from minivllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from minivllm.sample.sampler import Sampler  # noqa: E402
+from minivllm.testing import model_runner  # noqa: E402
 from minivllm.worker.cuda_graphs import cudagraph_batch_sizes  # noqa: E402
 
 SMALL_ENGINE = dict(skip_tokenizer_init=True, block_size=8, num_kv_blocks=64, max_model_len=256,
@@ -38,7 +39,7 @@ def recording_sampler():
 
 
 def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.model_runner
+    return model_runner(llm)
 
 
 def _workload(seed=0):

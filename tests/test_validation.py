@@ -3,6 +3,7 @@
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.testing import engine_core
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_aborted_requests_reach_the_runner_even_when_nothing_is_scheduled(llm):
     """The core hands finished ids to the runner on a step that computes nothing, so the
     runner's persistent batch never keeps the row of a request that is gone."""
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core
+    core = engine_core(engine)
     runner_rows = core.model_runner.input_batch.req_id_to_index
     engine.add_request("gone", "hello", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
