@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.course import checks
-from minivllm.course.checks.tp import DelegationError
 from minivllm.model import parallel_layers
 from minivllm.model.parallel_layers import kv_head_partition
 
@@ -104,7 +103,7 @@ def test_row_parallel_mistakes_fail_naming_the_convention(answer, fragments):
 
 def test_row_parallel_delegation_fails_saying_why():
     _fails(checks.check_row_parallel_linear, DelegatingLayer, "12.1",
-           "the package's own RowParallelLinear", error=DelegationError)
+           "RowParallelLinear", "the package's own answer", error=checks.Delegated)
 
 
 def shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank):
@@ -161,5 +160,5 @@ def test_qkv_mistakes_fail_naming_the_convention(answer, fragments):
 
 def test_qkv_delegation_fails_saying_why_and_the_helper_comes_back():
     _fails(checks.check_qkv_sharding, delegating_shards, "12.2",
-           "the package's own kv_head_partition", error=DelegationError)
+           "kv_head_partition", "the package's own answer", error=checks.Delegated)
     assert kv_head_partition(2, 4, 3) == (1, 1)  # restored after grading

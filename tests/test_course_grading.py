@@ -151,3 +151,16 @@ def test_an_import_inside_the_function_is_refused_before_it_runs():
         return rms_norm(x, w, eps)
     with pytest.raises(Delegated, match="import minivllm.model.layers"):
         _ex().take(imports_inside)
+
+
+def test_compare_generations_fails_clearly_on_a_strict_prefix():
+    from minivllm.course.checks.common import compare_generations
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    llm = types.SimpleNamespace(get_tokenizer=Tok)
+    compare_generations("0.4", "same", llm, ["p"], [[1, 2, 3]], [[1, 2, 3]])
+    with pytest.raises(CheckFailed, match=r"output token 2 \(yours has 2 tokens, expected 3\)"):
+        compare_generations("0.4", "with yours", llm, ["p"], [[1, 2]], [[1, 2, 3]])

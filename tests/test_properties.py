@@ -2,8 +2,8 @@
 
 A hypothesis state machine drives the real scheduler (v1 or v0) and KV cache manager through
 the simulated runner, with a pool small enough to force eviction and preemption. The rules are
-the course's (``minivllm/course/checks/block_rules.py``, what exercise 6.2 grades a learner's
-pool by): every call to the pool is checked as it happens (LRU eviction, touch, free order,
+the package's (``minivllm/testing.py``, by which exercise 6.2 also grades a
+learner's pool): every call to the pool is checked as it happens (LRU eviction, touch, free order,
 hashes kept until evicted), and the invariants after every operation.
 """
 
@@ -13,9 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.block_pool import BlockPool
-from minivllm.course.checks.block_rules import (
-    all_free_violations, checked_block_pool_cls, kv_cache_violations,
-)
+from minivllm.testing import all_free_violations, checked_block_pool_cls, kv_cache_violations
 from minivllm.sim.engine import SimEngine
 
 BLOCK_SIZE = 4

@@ -269,7 +269,7 @@ class Exercise:
         label = label or getattr(obj, "__qualname__", None) or type(obj).__name__
         self._visit(obj, f"your {label}", set(), None, 0)
 
-    def _visit(self, x, route: str, seen: set, owner: type | None, depth: int) -> None:
+    def _visit(self, x, route: str, seen: set, owner: tuple | None, depth: int) -> None:
         if id(x) in seen or depth > 12:
             return
         seen.add(id(x))
@@ -296,7 +296,8 @@ class Exercise:
             self._visit(type(x), route, seen, None, depth + 1)  # an instance of a learner's class
 
     def _visit_class(self, cls: type, route: str, seen: set, depth: int) -> None:
-        names = set(self.required)
+        required = self.required if depth <= 1 or is_learner_code(cls) else ()
+        names = set(required)
         for klass in cls.__mro__:
             if is_learner_code(klass):
                 names.update(vars(klass))
@@ -310,12 +311,13 @@ class Exercise:
                 continue
             defining = next((k for k in cls.__mro__ if name in vars(k)), cls)
             if is_learner_code(defining):
-                self._visit(value, f"{route}.{name}", seen, defining, depth + 1)
-            elif name in self.required:
+                self._visit(value, f"{route}.{name}", seen, (cls, defining), depth + 1)
+            elif name in required:
                 self._match(value, f"{route} does not define {name}: it inherits one that")
 
     def _visit_function(self, fn: types.FunctionType, route: str, seen: set,
-                        owner: type | None, depth: int) -> None:
+                        owner: tuple | None, depth: int) -> None:
+        """``owner``: (the class inspected, the class defining ``fn``) for a method."""
         names: list[str] = []
         imported: list[str] = []  # modules its body imports (``from X import Y`` inside it)
         for code in _codes(fn.__code__):
@@ -335,11 +337,14 @@ class Exercise:
             self._visit(value, f"{route} (its closure's {free!r})", seen, None, depth + 1)
         for value in list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values()):
             self._visit(value, f"{route} (a default argument)", seen, None, depth + 1)
-        bases = owner.__mro__[1:] if owner is not None and "super" in names else ()
+        cls, defined_in = owner if owner is not None else (None, None)
+        bases = ()
+        if defined_in is not None and "super" in names:
+            bases = cls.__mro__[cls.__mro__.index(defined_in) + 1:]
         g = fn.__globals__
         for name in names:
-            if owner is not None:  # self.name: a method inherited from the package
-                defining = next((k for k in owner.__mro__ if name in vars(k)), None)
+            if cls is not None:  # self.name: a method inherited from the package
+                defining = next((k for k in cls.__mro__ if name in vars(k)), None)
                 if defining is not None and not is_learner_code(defining):
                     self._match(vars(defining)[name], f"{route} -> self.{name}")
             if name in g:
@@ -380,6 +385,19 @@ class Exercise:
         if callable(obj):
             return self._watch_function(obj)
         return obj
+
+    def provide(self, fn):
+        """A function of the grader's that the learner's code calls (an ``evaluate``): it runs
+        unwatched, so the package code it uses is not taken for the learner's."""
+        @functools.wraps(fn)
+        def provided(*args, **kwargs):
+            saved = sys.getprofile()
+            sys.setprofile(None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.setprofile(saved)
+        return provided
 
     def check_hits(self) -> None:
         """Refuse if a watched call reached the answer (even if the learner caught the refusal)."""

@@ -8,7 +8,7 @@ what came back when it does not.
 
 from minivllm.course.checks.allocation import check_allocate_slots
 from minivllm.course.checks.capstone import check_goodput_tuner
-from minivllm.course.checks.common import CheckFailed
+from minivllm.course.checks.common import CheckFailed, Delegated
 from minivllm.course.checks.detokenizer import check_detokenizer
 from minivllm.course.checks.engine_core import check_busy_loop
 from minivllm.course.checks.generation import check_cached_generation
@@ -30,6 +30,7 @@ from minivllm.course.checks.tuning import check_chunking_choice
 
 __all__ = [
     "CheckFailed",
+    "Delegated",
     "check_rms_norm",
     "check_rotary",
     "check_gqa_attention",

@@ -5,8 +5,8 @@ num_new_computed_tokens=0, new_computed_blocks=None)``. Prefix caching is off fo
 the scheduler never passes a cache hit, so the last two arguments are 0 and empty (they are
 accepted, as the scheduler's calls name them; chapter 06 is where they matter).
 
-Two stages, both with the package's own ``KVCacheManager.allocate_slots`` unavailable (a class
-that calls it, through ``super()`` or by not overriding it, fails saying so):
+Two stages, both with the package's own ``KVCacheManager.allocate_slots`` refused by the grading
+harness (a class that calls it, through ``super()`` or by not overriding it, fails saying so):
 
 * small scenarios and a random sequence of grow / free / run-out calls on a bare manager,
   each compared with the rule (how many blocks, refused or not, what the pool has left), with a
@@ -21,13 +21,12 @@ that calls it, through ``super()`` or by not overriding it, fails saying so):
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
 import numpy as np
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
-from minivllm.course.checks.common import CheckFailed, check_engine, fail, passed
+from minivllm.course.checks.common import Delegated, Exercise, check_engine, fail, passed
 from minivllm.utils import cdiv
 
 CONVENTION = (
@@ -39,47 +38,20 @@ CONVENTION = (
     "them to the request's list and return the new blocks (an empty list when none are needed).")
 
 
-class DelegationError(CheckFailed):
-    """The learner's manager called the package's own allocate_slots."""
-
-
-@contextmanager
-def without_package_allocate_slots(exercise: str, called: list):
-    """While inside, ``KVCacheManager.allocate_slots`` (the package's answer) fails, saying why."""
-    own = KVCacheManager.allocate_slots
-
-    def allocate_slots(self, *args, **kwargs):
-        called.append("KVCacheManager.allocate_slots")
-        raise DelegationError(
-            f"Exercise {exercise}: your manager called KVCacheManager.allocate_slots, the "
-            f"package's own answer (through super(), or by not overriding it). The exercise is "
-            f"to write it: while it is graded, the package's allocate_slots is unavailable. You "
-            f"may use self.req_to_blocks, self.block_size and self.block_pool "
-            f"(get_num_free_blocks, get_new_blocks).")
-
-    KVCacheManager.allocate_slots = allocate_slots
-    try:
-        yield called
-    finally:
-        KVCacheManager.allocate_slots = own
+ANSWER = ("minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",)
+ALLOWED = ("self.req_to_blocks, self.block_size and self.block_pool (get_num_free_blocks, "
+           "get_new_blocks)")
 
 
 def check_allocate_slots(kv_cache_manager_cls: type, exercise: str = "3.1", seed: int = 0) -> None:
     """``kv_cache_manager_cls``: a ``KVCacheManager`` subclass with its own ``allocate_slots``."""
-    reference = _reference_run(seed)  # the package's, before it becomes unavailable
-    called: list = []
-    with without_package_allocate_slots(exercise, called):
-        try:
-            cases = _scenarios(kv_cache_manager_cls, exercise) + _random_calls(
-                kv_cache_manager_cls, exercise, seed)
-            got = _engine_run(kv_cache_manager_cls, exercise, seed)
-        except DelegationError:
-            raise
-        except Exception as e:
-            if called:  # the learner's code caught the DelegationError and went on
-                raise DelegationError(f"Exercise {exercise}: your manager called "
-                                      f"KVCacheManager.allocate_slots: write it yourself.") from e
-            raise
+    kv_cache_manager_cls = Exercise(exercise, CONVENTION, ANSWER, ALLOWED,
+                                    required=("allocate_slots",)).take(
+        kv_cache_manager_cls, "allocate_slots")
+    reference = _reference_run(seed)
+    cases = _scenarios(kv_cache_manager_cls, exercise) + _random_calls(
+        kv_cache_manager_cls, exercise, seed)
+    got = _engine_run(kv_cache_manager_cls, exercise, seed)
     _compare_runs(exercise, reference, got)
     steps, preempted = len(reference["steps"]), reference["preemptions"]
     passed(exercise, f"allocate_slots follows the rule on {cases} calls, and the engine using it "
@@ -119,7 +91,7 @@ class _Ledger:
                      f"all), and the pool has {free} free")
         try:
             got = self.manager.allocate_slots(request, num_new, **extra)
-        except DelegationError:
+        except Delegated:
             raise
         except TypeError as e:
             if extra:

@@ -11,16 +11,19 @@ be the reference's. Then the real engine generates with it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 
 from minivllm.engine.messages import EngineCoreOutput
-from minivllm.course.checks.common import check_engine, fail, passed
+from minivllm.course.checks.common import Exercise, check_engine, fail, passed
 from minivllm.engine import detokenizer as detok
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutputKind
 from minivllm.sampling_params import SamplingParams
+
+DETOKENIZER_ANSWER = tuple(f"minivllm.engine.detokenizer:{name}" for name in (
+    "IncrementalDetokenizer", "SlowIncrementalDetokenizer", "FastIncrementalDetokenizer",
+    "find_stop_string", "_tail", "default_detokenizer_cls"))
 
 CONVENTION = ("Expected: update(new_token_ids) appends the tokens, decodes the window "
               "tokens[prefix_offset:] and tokens[prefix_offset:read_offset] (starting from the "
@@ -122,29 +125,6 @@ def _run(tokenizer, detokenizer_cls, case):
     return trace
 
 
-@contextlib.contextmanager
-def _package_detokenizer_unavailable(exercise: str):
-    def unavailable(*args, **kwargs):
-        fail(exercise, "your detokenizer calls minivllm.engine.detokenizer's own code; write the "
-                       "decoding and the stop-string handling yourself")
-
-    targets = [(detok.IncrementalDetokenizer, n) for n in
-               ("update", "get_next_output_text", "_truncate", "_decode_new")]
-    targets += [(detok.SlowIncrementalDetokenizer, n) for n in ("_decode", "_decode_new")]
-    targets += [(detok.FastIncrementalDetokenizer, "_decode_new")]
-    saved = [(obj, name, obj.__dict__[name]) for obj, name in targets]
-    funcs = [(detok, n, getattr(detok, n)) for n in ("find_stop_string", "_tail")]
-    for obj, name, _ in saved:
-        setattr(obj, name, unavailable)
-    for obj, name, _ in funcs:
-        setattr(obj, name, unavailable)
-    try:
-        yield
-    finally:
-        for obj, name, fn in saved + funcs:
-            setattr(obj, name, fn)
-
-
 def _describe(case) -> str:
     name, prompt, ids, params, step = case
     return (f"{name}: {len(ids)} tokens, {step} per step, stop={params.stop!r}, "
@@ -171,21 +151,23 @@ def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> 
     if not isinstance(detokenizer_cls, type):
         fail(exercise, f"expected a class (detokenizer_cls(tokenizer, prompt_token_ids, params)), "
                        f"got {detokenizer_cls!r}")
+    detokenizer_cls = Exercise(exercise, answer=DETOKENIZER_ANSWER,
+                               allowed="the tokenizer's decode and convert_ids_to_tokens").take(
+        detokenizer_cls, "detokenizer")
     tokenizer = _tokenizer()
     cases = _targeted(tokenizer) + _cases(tokenizer, seed)
     reference = [_run(tokenizer, detok.SlowIncrementalDetokenizer, c) for c in cases]
-    with _package_detokenizer_unavailable(exercise):
-        for case, want in zip(cases, reference):
-            try:
-                got = _run(tokenizer, detokenizer_cls, case)
-            except NotImplementedError:
-                raise
-            except AssertionError:
-                raise
-            except Exception as e:
-                fail(exercise, f"{_describe(case)}: your detokenizer raised "
-                               f"{type(e).__name__}: {e}. " + CONVENTION)
-            _compare(exercise, tokenizer, case, want, got)
+    for case, want in zip(cases, reference):
+        try:
+            got = _run(tokenizer, detokenizer_cls, case)
+        except NotImplementedError:
+            raise
+        except AssertionError:
+            raise
+        except Exception as e:
+            fail(exercise, f"{_describe(case)}: your detokenizer raised "
+                           f"{type(e).__name__}: {e}. " + CONVENTION)
+        _compare(exercise, tokenizer, case, want, got)
     num_texts = _check_in_engine(check_engine(), detokenizer_cls, exercise)
     passed(exercise, f"{detokenizer_cls.__name__} gave the engine's outputs on {len(cases)} streams "
                      f"(characters split across tokens, stop strings spanning tokens, held-back "

@@ -16,13 +16,12 @@ then it drives the real engine core on the check model: same greedy tokens as ``
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 
 from minivllm.engine.messages import EngineCoreOutput
-from minivllm.course.checks.common import check_engine, fail, passed
+from minivllm.course.checks.common import Exercise, check_engine, fail, passed
 from minivllm.engine import core_proc
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 
@@ -117,26 +116,6 @@ class Recorder:
         self.event.set()
 
 
-@contextlib.contextmanager
-def _package_loop_unavailable(exercise: str):
-    """The package's own loop raises while the learner's runs: delegating to it fails."""
-    cls = core_proc.EngineCoreProc
-    saved = {name: cls.__dict__[name] for name in ("run_busy_loop", "_process_input_queue",
-                                                    "_handle", "_call_utility")}
-
-    def unavailable(*args, **kwargs):
-        fail(exercise, "your class calls minivllm.engine.core_proc.EngineCoreProc's own loop; "
-                       "write run_busy_loop and what it calls yourself")
-
-    for name in saved:
-        setattr(cls, name, unavailable)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
-
-
 def _start(proc_cls, core: FakeCore, exercise: str, prefill: list | None = None):
     recorder = Recorder(core)
     proc = proc_cls(core, recorder)
@@ -193,8 +172,10 @@ def check_busy_loop(proc_cls, exercise: str = "7.1") -> None:
     """``proc_cls(engine_core, output_put)``: has ``input_queue`` and ``run_busy_loop()``."""
     if not isinstance(proc_cls, type):
         fail(exercise, f"expected a class (proc_cls(engine_core, output_put)), got {proc_cls!r}")
-    with _package_loop_unavailable(exercise):
-        _check_fake_core(proc_cls, exercise)
+    proc_cls = Exercise(exercise, answer=("minivllm.engine.core_proc:EngineCoreProc",),
+                        allowed="queue, self.engine_core's methods and self.output_put").take(
+        proc_cls, "engine core loop")
+    _check_fake_core(proc_cls, exercise)
     num_tokens = _check_real_core(proc_cls, exercise)
     passed(exercise, f"{proc_cls.__name__} blocks when idle, drains every waiting message before "
                      f"each step, lands aborts before the next step, answers utility calls "

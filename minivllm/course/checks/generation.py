@@ -13,28 +13,23 @@ at positions 0..P-1, then one token per step at position P, P+1, ... Anything el
 a prompt fed token by token, a wrong position) fails, saying which forward broke the rule.
 
 The package's own loop (``minivllm.model.standalone.greedy_generate``, which the chapter runs) is
-unavailable while it grades: a forward made from inside it fails, saying why.
+refused by the grading harness, however it is reached.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import numpy as np
 import torch
 
-from minivllm.course.checks.common import CheckFailed, check_model_path, fail, passed
+from minivllm.course.checks.common import Exercise, check_model_path, fail, passed
 
 CONVENTION = (
     "Expected: the first forward computes the whole prompt (P tokens at positions 0..P-1) and "
     "gives the first new token (the argmax of its last position's logits); every later forward "
     "feeds only the token just chosen, at the next position (P, P+1, ...), its keys and values "
     "joining the cache, and gives the next token. n new tokens take n forwards.")
-
-
-class DelegationError(CheckFailed):
-    """The learner's loop called the package's own greedy_generate."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,29 +51,13 @@ def _reference(model, prompt: list[int], n: int) -> list[int]:
 
 
 class _Recorder:
-    """Wraps ``model.forward``: records (token ids, positions) of every forward pass, and
-    refuses a forward made from inside the package's own loop."""
+    """Wraps ``model.forward``: records (token ids, positions) of every forward pass."""
 
-    def __init__(self, model, exercise: str) -> None:
-        import inspect
-
-        from minivllm.model import standalone
-
-        self.model, self.exercise, self.calls = model, exercise, []
-        self.package_code = inspect.unwrap(standalone.greedy_generate).__code__
+    def __init__(self, model) -> None:
+        self.model, self.calls = model, []
         self.forward = model.forward
 
     def __call__(self, input_ids, positions, *args, **kwargs):
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is self.package_code:
-                raise DelegationError(
-                    f"Exercise {self.exercise}: your loop called "
-                    f"minivllm.model.standalone.greedy_generate, the package's own answer. The "
-                    f"exercise is to write that loop: while it is graded, the package's is "
-                    f"unavailable. You may use single_sequence_metadata, get_attention_backend, "
-                    f"model(...) and model.compute_logits.")
-            frame = frame.f_back
         self.calls.append((torch.as_tensor(input_ids).tolist(),
                            torch.as_tensor(positions).tolist()))
         return self.forward(input_ids, positions, *args, **kwargs)
@@ -93,6 +72,10 @@ class _Recorder:
 
 def check_cached_generation(generate_with_cache, exercise: str = "2.2", seed: int = 0) -> None:
     """``generate_with_cache(model, prompt_ids, n, block_size) -> list of n token ids``."""
+    generate_with_cache = Exercise(
+        exercise, answer=["minivllm.model.standalone:greedy_generate"],
+        allowed="single_sequence_metadata, get_attention_backend, model(...) and "
+                "model.compute_logits").take(generate_with_cache, "generate_with_cache")
     model = _model()
     vocab = model.config.vocab_size
     rng = np.random.default_rng(seed)
@@ -107,7 +90,7 @@ def check_cached_generation(generate_with_cache, exercise: str = "2.2", seed: in
             layer.kv_cache, layer.backend = None, None
         what = (f"generate_with_cache(model, a {prompt_len}-token prompt, n={n}, "
                 f"block_size={block_size})")
-        with _Recorder(model, exercise) as rec:
+        with _Recorder(model) as rec:
             got = generate_with_cache(model, list(prompt), n, block_size)
         try:
             got = [int(t) for t in got]

@@ -11,12 +11,9 @@ scheduler's own ``Request`` objects and block tables.
 
 from __future__ import annotations
 
-import importlib
-from contextlib import contextmanager
-
 import numpy as np
 
-from minivllm.course.checks.common import fail, passed
+from minivllm.course.checks.common import Exercise, fail, passed
 
 # -- Exercise 10.1: the persistent batch ---------------------------------------------------------
 
@@ -30,25 +27,10 @@ BATCH_CONVENTION = (
     "request resumed from preemption gets new_block_ids as its whole block table.")
 
 
-@contextmanager
-def _hidden(exercise: str, targets: list[tuple[str, str]]):
-    saved = []
-    for module_name, attr in targets:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attr)
-
-        class Refused:
-            def __init__(self, *args, _name=f"{module_name}.{attr}", **kwargs):
-                fail(exercise, f"your code used {_name}, the package's own version: the exercise "
-                               "asks you to write it (the grader hides minivllm's)")
-
-        saved.append((module, attr, original))
-        setattr(module, attr, Refused)
-    try:
-        yield
-    finally:
-        for module, attr, original in saved:
-            setattr(module, attr, original)
+BATCH_ANSWER = ("minivllm.worker.input_batch:InputBatch", "minivllm.worker.block_table:BlockTable")
+RUNNER_ANSWER = ("minivllm.worker.cuda_graphs:DecodeCudaGraphs",)
+SIZES_ANSWER = ("minivllm.course.checks.hotpath:optimal_padding",
+                "minivllm.worker.cuda_graphs:cudagraph_batch_sizes")
 
 
 def _trace_ops(rng: np.random.Generator, length: int) -> list[tuple]:
@@ -97,6 +79,8 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                            num_traces: int = 24) -> None:
     """``batch_cls(max_num_reqs, max_model_len, max_blocks_per_req)`` with ``apply(so)`` and
     ``append_sampled(req_id, token)``, against a rebuild after every step of random traces."""
+    batch_cls = Exercise(exercise, answer=BATCH_ANSWER, allowed="numpy").take(
+        batch_cls, "persistent batch")
     from minivllm.config import SchedulerConfig
     from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.request import Request
@@ -118,8 +102,7 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                                  max_model_len=max_model_len, long_prefill_token_threshold=threshold)
         kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
         scheduler = (PhaseSeparatedScheduler if v0 else Scheduler)(config, kv)
-        with _hidden(exercise, [("minivllm.worker.input_batch", "InputBatch")]):
-            batch = batch_cls(max_seqs, max_model_len, -(-max_model_len // block_size))
+        batch = batch_cls(max_seqs, max_model_len, -(-max_model_len // block_size))
         added = 0
         for op in _trace_ops(rng, int(rng.integers(8, 40))):
             if op[0] == "add":
@@ -144,8 +127,7 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                 unscheduled += len(set(batch.row_of) - set(out.num_scheduled_tokens)
                                    - out.finished_req_ids - out.preempted_req_ids)
                 expected = _expected_rows(scheduler, out)
-                with _hidden(exercise, [("minivllm.worker.input_batch", "InputBatch")]):
-                    batch.apply(out)
+                batch.apply(out)
                 where = f"trace {trace}, step {steps}"
                 got = _learner_rows(exercise, batch, len(expected), where)
                 for rid, want in expected.items():
@@ -231,6 +213,8 @@ def _random_distribution(rng, max_batch: int) -> dict[int, float]:
 
 def check_capture_sizes(choose_capture_sizes, exercise: str = "10.3", seed: int = 0) -> None:
     """``choose_capture_sizes(probs: {batch: probability}, max_graphs, max_batch) -> sizes``."""
+    choose_capture_sizes = Exercise(exercise, answer=SIZES_ANSWER).take(
+        choose_capture_sizes, "choose_capture_sizes")
     rng = np.random.default_rng(seed)
     cases = 0
     for max_batch in (4, 16, 40):
@@ -299,6 +283,9 @@ def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) 
     """``graph_runner_cls(replay, sizes, buffers)`` with ``run(input_ids, positions, meta)``:
     first against a recording replay (what lands in the static buffers), then inside the engine
     on a tiny Llama (Triton attention in the interpreter), padded against unpadded."""
+    graph_runner_cls = Exercise(exercise, answer=RUNNER_ANSWER,
+                                allowed="self.replay, self.sizes and self.buffers").take(
+        graph_runner_cls, "graph runner")
     import torch
 
     from minivllm.attention.backend import AttentionMetadata
@@ -390,8 +377,7 @@ def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> None:
             meta = dataclasses.replace(meta, **{k: getattr(meta, k).clone() for k in (
                 "query_start_loc", "seq_lens", "block_tables", "slot_mapping")})
             padded_steps.append(meta.num_seqs)
-            with _hidden(exercise, [("minivllm.worker.cuda_graphs", "DecodeCudaGraphs")]):
-                return learner.run(input_ids.clone(), positions.clone(), meta)
+            return learner.run(input_ids.clone(), positions.clone(), meta)
 
     runner.cuda_graphs = Adapter()
     got = _greedy(llm)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.torch_backend import write_to_kv_cache
 from minivllm.course.checks.common import (
-    PROMPT, bundled_model, close, compare_tensors, fail, passed,
+    PROMPT, Exercise, bundled_model, close, compare_tensors, fail, passed,
 )
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 from minivllm.model.standalone import sequence_logits
@@ -91,12 +91,15 @@ def _model_check(exercise: str, what: str, swap=None, backend="torch") -> None:
 
 # -- Exercise 1.1: RMSNorm -----------------------------------------------------------------------
 
+RMS_ANSWER = ("minivllm.model.layers:rms_norm", "minivllm.model.layers:RMSNorm",
+              "minivllm.model.layers:NATIVE_OPS")
 RMS_CONVENTION = ("Expected: x / sqrt(mean(x**2 over the last dim) + eps) * weight, computed in "
                   "float32 and returned in x's dtype.")
 
 
 def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
     """``rms_norm(x, weight, eps) -> tensor`` like ``minivllm.model.layers.RMSNorm``."""
+    rms_norm = Exercise(exercise, answer=RMS_ANSWER, allowed="torch").take(rms_norm, "rms_norm")
     g = torch.Generator().manual_seed(seed)
     cases = 0
     for shape in [(4, 64), (2, 5, 576), (3, 1), (1, 7, 33)]:
@@ -127,6 +130,8 @@ def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
 
 # -- Exercise 1.2: rotary embedding --------------------------------------------------------------
 
+ROPE_ANSWER = ("minivllm.model.layers:rotary_embedding", "minivllm.model.layers:RotaryEmbedding",
+               "minivllm.model.layers:NATIVE_OPS")
 ROPE_CONVENTION = ("Expected (RoPE, 'neox' layout): with d = head_dim and inv_freq[i] = "
                    "base ** (-2i / d) for i < d/2, the pair (x[..., i], x[..., i + d/2]) of a token at "
                    "position p is rotated by the angle p * inv_freq[i].")
@@ -144,6 +149,8 @@ def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor, base: float) -> 
 
 def check_rotary(apply_rotary, exercise: str = "1.2", seed: int = 0) -> None:
     """``apply_rotary(x [tokens, heads, head_dim], positions [tokens], base) -> rotated x``."""
+    apply_rotary = Exercise(exercise, answer=ROPE_ANSWER, allowed="torch").take(
+        apply_rotary, "apply_rotary")
     g = torch.Generator().manual_seed(seed)
     position_sets = {
         "0..4": torch.arange(5),
@@ -178,6 +185,14 @@ def check_rotary(apply_rotary, exercise: str = "1.2", seed: int = 0) -> None:
 
 # -- Exercise 1.3: grouped-query attention -------------------------------------------------------
 
+# torch's fused attention is the reference (and the chapter's cell): the exercise writes it
+GQA_ANSWER = ("torch.nn.functional:scaled_dot_product_attention",
+              "minivllm.course.checks.model:reference_gqa_attention",
+              "minivllm.attention.torch_backend:paged_prefill_attention",
+              "minivllm.attention.torch_backend:paged_decode_attention",
+              "minivllm.attention.torch_backend:attend_group",
+              "minivllm.attention.torch_backend:TorchAttentionBackend")
+GQA_ALLOWED = "torch's tensor operations (einsum, matmul, softmax, masked_fill, repeat_interleave)"
 GQA_CONVENTION = ("Expected: causal attention (token t sees tokens 0..t) of q [tokens, heads, d] "
                   "over k, v [tokens, kv_heads, d], softmax(q k^T * scale) v, where query head h "
                   "uses KV head h // (heads // kv_heads).")
@@ -214,6 +229,8 @@ def gqa_hint(got, q, k, v, scale, causal: bool = True) -> str | None:
 
 def check_gqa_attention(gqa_attention, exercise: str = "1.3", seed: int = 0) -> None:
     """``gqa_attention(q, k, v, scale) -> [tokens, heads, d]``: causal, one sequence."""
+    gqa_attention = Exercise(exercise, answer=GQA_ANSWER, allowed=GQA_ALLOWED).take(
+        gqa_attention, "gqa_attention")
     g = torch.Generator().manual_seed(seed)
     cases = 0
     for heads, kv_heads in ((4, 4), (9, 3), (8, 2), (6, 1)):

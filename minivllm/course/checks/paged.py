@@ -15,12 +15,17 @@ from minivllm.attention.torch_backend import (
     paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
 )
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, check_engine, close, compare_generations, compare_tensors, fail,
+    ENGINE_PROMPTS, Exercise, check_engine, close, compare_generations, compare_tensors, fail,
     greedy_token_ids, model_runner, passed,
 )
 from minivllm.course.checks.model import gqa_hint
 from minivllm.worker.block_table import compute_slot_mapping as reference_slot_mapping
 
+SLOT_ANSWER = ("minivllm.worker.block_table:compute_slot_mapping",
+               "minivllm.worker.block_table:BlockTable")
+PAGED_ANSWER = tuple(f"minivllm.attention.torch_backend:{name}" for name in (
+    "paged_decode_attention", "paged_prefill_attention", "attend_group", "attend_decodes_by_rows",
+    "gather_context", "gather_blocks", "TorchAttentionBackend"))
 SLOT_CONVENTION = ("Expected: the token at position p lives in block block_table[p // block_size] "
                    "at offset p % block_size, so its slot is block_id * block_size + offset.")
 
@@ -29,6 +34,8 @@ SLOT_CONVENTION = ("Expected: the token at position p lives in block block_table
 
 def check_slot_mapping(compute_slot_mapping, exercise: str = "3.1", seed: int = 0) -> None:
     """``compute_slot_mapping(block_table, positions, block_size) -> slots`` (one per position)."""
+    compute_slot_mapping = Exercise(exercise, answer=SLOT_ANSWER, allowed="numpy").take(
+        compute_slot_mapping, "compute_slot_mapping")
     rng = np.random.default_rng(seed)
     cases = 0
     for block_size in (1, 2, 5, 16):
@@ -64,6 +71,8 @@ PAGED_CONVENTION = ("Expected: the attention of one query q [heads, d] over the 
 
 def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0) -> None:
     """``paged_attention(q, kv_cache, block_table, seq_len, scale) -> [heads, d]``."""
+    paged_attention = Exercise(exercise, answer=PAGED_ANSWER, allowed="torch").take(
+        paged_attention, "paged_attention")
     g = torch.Generator().manual_seed(seed)
     cases = 0
     for heads, kv_heads, d in ((4, 4, 16), (9, 3, 64), (8, 2, 32), (6, 1, 8)):

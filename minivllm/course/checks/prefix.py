@@ -9,13 +9,12 @@ must be the reference's.
 6.2 ``check_block_pool(block_pool_cls)``: small scenarios with a hint for each classic mistake,
 then randomised workloads on the simulated engine (the real scheduler and KV cache manager)
 with the learner's pool and the reference's side by side, every call and every step checked
-against the rules of ``block_rules``; then the real engine on the check model, built with
+against the KV cache rules of ``minivllm.testing``; then the real engine on the check model, built with
 ``LLM(block_pool_cls=...)``: same outputs, same hits as with the reference pool.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 
 import numpy as np
@@ -23,11 +22,9 @@ import numpy as np
 from minivllm.config import SchedulerConfig
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.core.request import Request
-from minivllm.course.checks.block_rules import (
-    all_free_violations, checked_block_pool_cls, kv_cache_violations,
-)
+from minivllm.testing import all_free_violations, checked_block_pool_cls, kv_cache_violations
 from minivllm.course.checks.common import (
-    CheckFailed, check_engine, check_model_path, compare_generations, fail, passed,
+    CheckFailed, Exercise, check_engine, check_model_path, compare_generations, fail, passed,
 )
 
 # -- Exercise 6.1: the block hash chain -----------------------------------------------------------
@@ -38,15 +35,16 @@ CHAIN_CONVENTION = ("Expected: block i's hash = hash_block_tokens(parent, token_
                     "otherwise.")
 
 
-@contextlib.contextmanager
-def _another_process():
-    """Make Python's ``hash()`` return what it would in a process with another PYTHONHASHSEED."""
-    real = builtins.hash
-    builtins.hash = lambda obj: real(("another process", obj))
-    try:
-        yield
-    finally:
-        builtins.hash = real
+HASH_ANSWER = ("minivllm.core.kv_cache_utils:hash_block_tokens",
+               "minivllm.core.kv_cache_utils:update_block_hashes",
+               "minivllm.core.kv_cache_utils:encode_block",
+               "minivllm.core.kv_cache_utils:block_extra_keys")
+PYTHON_HASH = {"hash": (
+    "which is salted per process for str and bytes (PYTHONHASHSEED), changes between Python "
+    "versions and has only 64 bits: the API server and the engine core, or a restarted server, "
+    "would name the same block differently. Encode the parent hash, the token ids and the extra "
+    "keys as bytes and hash them with a fixed function (hashlib.sha256).")}
+POOL_ANSWER = ("minivllm.core.block_pool:BlockPool",)
 
 
 def _no_extra(hash_block_tokens, parent, tokens):
@@ -58,6 +56,10 @@ def check_block_hashes(hash_block_tokens, update_block_hashes, exercise: str = "
                        seed: int = 0) -> None:
     """``hash_block_tokens(parent_block_hash, token_ids, extra_keys) -> bytes`` and
     ``update_block_hashes(request, block_size) -> request.block_hashes`` (extended in place)."""
+    ex = Exercise(exercise, answer=HASH_ANSWER, builtin=PYTHON_HASH,
+                  allowed="hashlib, struct, json and the request's fields")
+    hash_block_tokens = ex.take(hash_block_tokens, "hash_block_tokens")
+    update_block_hashes = ex.take(update_block_hashes, "update_block_hashes")
     rng = np.random.default_rng(seed)
     _check_block_hash(hash_block_tokens, exercise, rng)
     cases = _check_chain(hash_block_tokens, update_block_hashes, exercise, rng)
@@ -77,15 +79,6 @@ def _check_block_hash(h, exercise: str, rng) -> None:
         fail(exercise, "hash_block_tokens returned two different hashes for the same block: a block's "
                        "name must depend on its contents only")
     parent = h(None, [1, 2, 3], [])
-    with _another_process():
-        again = h(None, list(tokens), []), h(parent, list(tokens), ["tenant-a"])
-    if again != (first, h(parent, list(tokens), ["tenant-a"])):
-        fail(exercise, "your hashes change when Python's built-in hash() is seeded differently. It is "
-                       "salted per process for str and bytes (PYTHONHASHSEED), changes between Python "
-                       "versions and has only 64 bits: the API server and the engine core, or a "
-                       "restarted server, would name the same block differently. Encode the parent "
-                       "hash, the token ids and the extra keys as bytes and hash them with a fixed "
-                       "function (hashlib.sha256).")
     pairs = [
         ("parent_block_hash", (None, tokens, []), (parent, tokens, [])),
         ("parent_block_hash", (parent, tokens, []), (h(None, [1, 2, 4], []), tokens, [])),
@@ -287,8 +280,19 @@ POOL_CONVENTION = ("Expected: get_new_blocks takes blocks from the head of the f
                    "a hash.")
 
 
+def _failing(exercise: str):
+    """A broken pool rule fails the exercise (``minivllm.testing.CheckedBlockPool``)."""
+    def on_violation(message: str) -> None:
+        fail(exercise, message)
+    return on_violation
+
+
 def check_block_pool(block_pool_cls, exercise: str = "6.2", seed: int = 0) -> None:
     """``block_pool_cls(num_blocks, enable_caching)``, with the API of ``core.block_pool.BlockPool``."""
+    block_pool_cls = Exercise(
+        exercise, answer=POOL_ANSWER,
+        allowed="KVCacheBlock and FreeKVCacheBlockQueue (the blocks and the free queue)",
+    ).take(block_pool_cls, "block pool")
     _pool_scenarios(block_pool_cls, exercise)
     steps = _check_pool_in_sim(block_pool_cls, exercise, seed)
     _check_pool_in_engine(block_pool_cls, exercise)
@@ -426,7 +430,7 @@ def _check_pool_in_sim(cls, exercise: str, seed: int, num_workloads: int = 4) ->
                                   enable_chunked_prefill=chunked)
             ref = SimEngine(14, 4, scheduler=scheduler, scheduler_config=cfg)
             sim = SimEngine(14, 4, scheduler=scheduler, scheduler_config=cfg,
-                            block_pool_cls=checked_block_pool_cls(cls, exercise))
+                            block_pool_cls=checked_block_pool_cls(cls, _failing(exercise)))
             where = (f"random workload {k} ({scheduler} scheduler, budget {budget}, 14 blocks of 4 "
                      "tokens, shared prefixes, aborts)")
             step = 0
@@ -488,7 +492,7 @@ def _check_pool_in_engine(cls, exercise: str) -> None:
     # few blocks of 4 tokens: requests share prefixes, evict each other's cache and get preempted
     llm = LLM(check_model_path(), show_progress=False, device="cpu", block_size=4, num_kv_blocks=14, max_model_len=48,
               max_num_batched_tokens=24, max_num_seqs=4,
-              block_pool_cls=checked_block_pool_cls(cls, exercise))
+              block_pool_cls=checked_block_pool_cls(cls, _failing(exercise)))
     scheduler = engine_core(llm).scheduler
     manager = scheduler.kv_cache_manager
     waves = _pool_waves(llm.get_tokenizer())

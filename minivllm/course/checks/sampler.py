@@ -15,7 +15,7 @@ import math
 import torch
 
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, check_engine, compare_generations, fail, greedy_token_ids, model_runner, passed,
+    ENGINE_PROMPTS, Exercise, check_engine, compare_generations, fail, greedy_token_ids, model_runner, passed,
 )
 from minivllm.sample.sampler import SamplingMetadata, apply_top_k_top_p
 
@@ -103,6 +103,11 @@ def _check_distribution(exercise, tokens, logits_row, temperature, top_k, top_p,
                        f"{stat:.0f} > {crit:.0f}: not the expected distribution). {CONVENTION}")
 
 
+ANSWER = ("minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
+          "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
+          "minivllm.course.checks.sampler:expected_probs")
+ALLOWED = "torch (sort, cumsum, softmax, multinomial with meta.generator / meta.generators[row])"
+
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.6), (0.8, 4, 0.6),
 ]
@@ -120,6 +125,7 @@ def _order_matters(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: bool = True) -> None:
     """``sampler_cls()`` must behave like ``minivllm.sample.sampler.Sampler``."""
+    sampler_cls = Exercise(exercise, answer=ANSWER, allowed=ALLOWED).take(sampler_cls, "sampler")
     g = torch.Generator().manual_seed(seed)
     sampler = sampler_cls()
 

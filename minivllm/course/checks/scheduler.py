@@ -11,10 +11,10 @@ which requests arrive at fixed steps. Two things are checked:
 * the result: every request's greedy output must equal what the package's own scheduler
   produces on the same workload.
 
-The learner writes admission and preemption, so while the learner's class runs, the package's
-own scheduling helpers are unavailable (``without_package_policy``): a ``schedule()`` that
-calls ``_try_admit``, ``_allocate_or_preempt`` (or, in 5.1, ``_preempt``) or the package's
-``schedule()`` fails, naming the helper and what to write instead.
+The learner writes admission and preemption, so the grading harness refuses the package's own
+scheduling helpers: a class that reaches ``_try_admit``, ``_allocate_or_preempt`` (or, in 5.1,
+``_preempt``), the package's ``schedule()`` or its v0 scheduler fails, naming the helper and
+what to use instead.
 
 Any implementation of the policy passes; only what the engine can observe is checked.
 """
@@ -22,8 +22,7 @@ Any implementation of the policy passes; only what the engine can observe is che
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from minivllm.core.request import RequestStatus
@@ -31,7 +30,7 @@ from minivllm.core.scheduler import Scheduler
 from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, CheckFailed, check_engine, fail, passed,
+    ENGINE_PROMPTS, Exercise, check_engine, fail, passed,
 )
 
 MAX_STEPS = 400
@@ -103,95 +102,23 @@ PREEMPT_WORKLOAD = Workload(
 )
 
 
-# -- the package's own policy, unavailable while the learner's class runs -----------------------
+# -- the package's own policy, refused while the learner's class is graded -------------------
 
-# what each helper does, which the learner writes instead
-PACKAGE_HELPERS = {
-    "schedule": "scheduling policy",
-    "_try_admit": "admission (prefix-cache lookup with kv_cache_manager.get_computed_blocks, "
-                  "blocks with kv_cache_manager.allocate_slots, moving the request from waiting "
-                  "to running)",
-    "_allocate_or_preempt": "preemption loop (kv_cache_manager.allocate_slots; when it returns "
-                            "None, preempt self.running.pop() and try again)",
-    "_preempt": "preemption (free the blocks, num_computed_tokens = 0, count it, put it at the "
-                "front of the waiting queue)",
-}
-# where the exercise has the learner write each of them (the methods the exercises define)
-LEARNER_METHODS = {
-    "schedule": "schedule()",
-    "_try_admit": "admit()",
-    "_allocate_or_preempt": "schedule()",
-    "_preempt": "preempt_request()",
-}
-
-
-class DelegationError(CheckFailed):
-    """The learner's scheduler called the package's own policy instead of implementing it."""
-
-
-@contextmanager
-def without_package_policy(exercise: str, helpers: tuple[str, ...], called: list | None = None):
-    """While inside, calling ``helpers`` of the package's ``Scheduler`` or
-    ``PhaseSeparatedScheduler`` (directly, through ``super()`` or by inheriting them) fails,
-    naming the helper. Yields the list of helpers that were called (``called``, if given)."""
-    called = [] if called is None else called
-    saved = []
-    # 4.1 is given preemption's state change (the exercise's list names it); 5.1 writes it
-    allowed = "self.kv_cache_manager, self.record_admission, self.make_scheduler_output" + (
-        "" if "_preempt" in helpers else
-        " and the preemption step the exercise gives (a request taken out of self.running "
-        "gives its blocks back and waits at the front)")
-
-    def unavailable(owner: type, name: str):
-        def stub(self, *args, **kwargs):
-            called.append(f"{owner.__name__}.{name}")
-            raise DelegationError(
-                f"Exercise {exercise}: your scheduler called {owner.__name__}.{name}, the "
-                f"package's own {PACKAGE_HELPERS[name]}. The exercise is to write that yourself, "
-                f"in your {LEARNER_METHODS[name]}: "
-                f"while it is graded, the package's scheduling helpers "
-                f"({', '.join(helpers)}) are unavailable. You may use {allowed}.")
-        stub.__name__ = name
-        return stub
-
-    for owner in (Scheduler, PhaseSeparatedScheduler):
-        for name in helpers:
-            if name in vars(owner):
-                saved.append((owner, name, vars(owner)[name]))
-                setattr(owner, name, unavailable(owner, name))
-    try:
-        yield called
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
-
-
-V0_HELPERS = ("schedule", "_try_admit", "_allocate_or_preempt")
-V1_HELPERS = ("schedule", "_try_admit", "_allocate_or_preempt", "_preempt")
-
-
-def _delegation_message(called: list[str]) -> str:
-    name = called[0].split(".")[1]
-    return (f"your scheduler called {called[0]}, the package's own "
-            f"{PACKAGE_HELPERS[name]}: write it yourself, in your {LEARNER_METHODS[name]}.")
+ALLOWED = "self.kv_cache_manager, self.record_admission, self.make_scheduler_output"
+# 4.1 is given preemption's state change (self._preempt); 5.1 writes it (preempt_request)
+V0_HELPERS = ("minivllm.core.scheduler:Scheduler.schedule",
+              "minivllm.core.scheduler:Scheduler._try_admit",
+              "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
+              "minivllm.core.scheduler_v0:PhaseSeparatedScheduler")
+V1_HELPERS = V0_HELPERS + ("minivllm.core.scheduler:Scheduler._preempt",)
 
 
 def _run_learner(scheduler_cls: type, watch: "Watch", check_step, helpers) -> dict:
-    workload, exercise = watch.workload, watch.exercise
-    reference_outputs(workload)  # the package's run, before its helpers become unavailable
-    probe = _probe(scheduler_cls, watch, check_step)
-    with without_package_policy(exercise, helpers, watch.called) as called:
-        try:
-            got = run_workload(probe, workload, exercise)
-        except DelegationError:
-            raise
-        except Exception as e:
-            if called:  # the learner's code caught the DelegationError and went on
-                raise DelegationError(f"Exercise {exercise}: {_delegation_message(called)}") from e
-            raise
-    if called:
-        raise DelegationError(f"Exercise {exercise}: {_delegation_message(called)}")
-    return got
+    allowed = ALLOWED + ("" if "minivllm.core.scheduler:Scheduler._preempt" in helpers else
+                         " and self._preempt (the preemption step the exercise gives)")
+    scheduler_cls = Exercise(watch.exercise, answer=helpers, allowed=allowed,
+                             required=("schedule",)).take(scheduler_cls, "scheduler")
+    return run_workload(_probe(scheduler_cls, watch, check_step), watch.workload, watch.exercise)
 
 
 # -- running a workload ------------------------------------------------------------------------
@@ -271,7 +198,6 @@ class Watch:
     steps: int = 0
     mixed_steps: int = 0  # steps with a prefill chunk and a decode side by side
     preemptions: int = 0
-    called: list = field(default_factory=list)  # the package's helpers the scheduler called
 
     def fail(self, out, message: str) -> None:
         fail(self.exercise, f"workload '{self.workload.name}', step {self.steps}: the step "
@@ -317,9 +243,6 @@ def _probe(cls: type, watch: Watch, check_step) -> type:
             )
             out = super().schedule()
             watch.steps += 1
-            if watch.called:  # called a helper and caught the error: say so, not what followed
-                raise DelegationError(f"Exercise {watch.exercise}: "
-                                      f"{_delegation_message(watch.called)}")
             check_step(self, before, out, watch)
             return out
 

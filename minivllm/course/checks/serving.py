@@ -22,7 +22,7 @@ import math
 import random
 import threading
 
-from minivllm.course.checks.common import fail, passed
+from minivllm.course.checks.common import Exercise, fail, passed
 
 STREAM_CONVENTION = (
     "Expected, each event as 'data: <json>\\n\\n' with the same id, created, model and object "
@@ -84,33 +84,26 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
     import httpx
     import openai
 
-    from minivllm.entrypoints.openai import serving as serving_module
-
     if not callable(chat_stream):
         fail(exercise, f"expected an async generator function, got {chat_stream!r}")
-    real = serving_module.chat_completion_stream_generator
-
-    def unavailable(*args, **kwargs):
-        fail(exercise, "your function calls minivllm's own chat_completion_stream_generator; "
-                       "write the events yourself")
-
+    ex = Exercise(exercise, answer=(
+        "minivllm.entrypoints.openai.serving:chat_completion_stream_generator",),
+        allowed="json, time and the RequestOutputs of outputs")
+    chat_stream = ex.take(chat_stream, "chat_stream")
     _probe(chat_stream, exercise)  # an unsolved exercise raises here, not inside the server
-    serving_module.chat_completion_stream_generator = unavailable
-    try:
-        with serving(chat_stream) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            checked = 0
-            for prompt, extra in PROMPTS:
-                kwargs = dict(model=_model(client), temperature=0, max_tokens=16,
-                              messages=[{"role": "user", "content": prompt}])
-                kwargs.update(extra)
-                full = client.chat.completions.create(**kwargs)
-                for include_usage in (True, False):
-                    _check_one(exercise, client, kwargs, full, include_usage)
-                    checked += 1
-            _check_raw(exercise, httpx, url, _model(client))
-    finally:
-        serving_module.chat_completion_stream_generator = real
+    with serving(chat_stream) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        checked = 0
+        for prompt, extra in PROMPTS:
+            kwargs = dict(model=_model(client), temperature=0, max_tokens=16,
+                          messages=[{"role": "user", "content": prompt}])
+            kwargs.update(extra)
+            full = client.chat.completions.create(**kwargs)
+            for include_usage in (True, False):
+                _check_one(exercise, client, kwargs, full, include_usage)
+                checked += 1
+        _check_raw(exercise, httpx, url, _model(client))
+        ex.check_hits()  # a refusal the server turned into an error response
     passed(exercise, f"the openai client streamed {checked} chat completions from a minivllm "
                      f"server running your function: role first, content equal to the "
                      f"non-streamed answers, finish reasons, usage, and [DONE].")
@@ -271,14 +264,11 @@ def _get(d: dict, key: str):
 
 
 def check_benchmark_metrics(benchmark_metrics, exercise: str = "8.2", seed: int = 0) -> None:
-    from minivllm.benchmarks import serve as bench
-
     rng = random.Random(seed)
-    saved = bench.summarize, bench.RequestResult.from_timestamps
-
-    def unavailable(*args, **kwargs):
-        fail(exercise, "your function calls minivllm.benchmarks.serve's own code; compute the "
-                       "figures yourself")
+    benchmark_metrics = Exercise(exercise, answer=(
+        "minivllm.benchmarks.serve:summarize", "minivllm.benchmarks.serve:RequestResult",
+        "minivllm.benchmarks.serve:_stats", "minivllm.course.checks.serving:reference_metrics"),
+        allowed="numpy and the traces").take(benchmark_metrics, "benchmark_metrics")
 
     cases = 0
     for trial in range(30):
@@ -289,12 +279,8 @@ def check_benchmark_metrics(benchmark_metrics, exercise: str = "8.2", seed: int 
             if rng.random() < 0.6:
                 slos[key] = rng.choice([50.0, 150.0, 300.0, 1000.0, 3000.0])
         want = reference_metrics(traces, duration, slos)
-        bench.summarize = bench.RequestResult.from_timestamps = unavailable
-        try:
-            got = benchmark_metrics([dict(t, chunk_times=list(t["chunk_times"])) for t in traces],
-                                    duration, dict(slos))
-        finally:
-            bench.summarize, bench.RequestResult.from_timestamps = saved
+        got = benchmark_metrics([dict(t, chunk_times=list(t["chunk_times"])) for t in traces],
+                                duration, dict(slos))
         if not isinstance(got, dict):
             fail(exercise, f"expected a dict of figures, got {type(got).__name__}. "
                            + METRICS_CONVENTION)

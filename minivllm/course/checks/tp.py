@@ -35,7 +35,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 import torch
 
-from minivllm.course.checks.common import CheckFailed, compare_tensors, fail, passed
+from minivllm.course.checks.common import Delegated, Exercise, compare_tensors, fail, passed
 
 ROW_CONVENTION = (
     "Expected (row-parallel, Megatron-style): W [out, in] is split along its input dimension; "
@@ -53,8 +53,13 @@ QKV_CONVENTION = (
     "h // (H / K)): KV head r // (tp / K), replicated on tp / K neighbouring ranks.")
 
 
-class DelegationError(CheckFailed):
-    """The learner's code called the package's own answer instead of implementing it."""
+ROW_ANSWER = ("minivllm.model.parallel_layers:RowParallelLinear",)
+ROW_ALLOWED = ("torch.distributed.all_reduce (or the package's tensor_model_parallel_all_reduce) "
+               "and torch.nn.functional.linear")
+QKV_ANSWER = ("minivllm.model.parallel_layers:kv_head_partition",
+              "minivllm.model.parallel_layers:QKVParallelLinear.weight_loader",
+              "minivllm.model.parallel_layers:ColumnParallelLinear.weight_loader",
+              "minivllm.course.checks.tp:_reference_shard")
 
 
 # -- Exercise 12.1: the row-parallel linear on two gloo ranks ----------------------------------
@@ -85,20 +90,9 @@ def _row_rank(layer_cls, cases, rank: int, tp: int, store_path: str, conn, exerc
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from minivllm.distributed import parallel_state
-        from minivllm.model import parallel_layers
-
-        def unavailable(self, *args, **kwargs):
-            raise DelegationError(
-                f"Exercise {exercise}: your layer called the package's own "
-                "RowParallelLinear (its forward or weight_loader). The exercise is to write "
-                "them yourself: while they are graded, the package's are unavailable. You may "
-                "use torch.distributed.all_reduce (or the package's "
-                "tensor_model_parallel_all_reduce).")
-
-        parallel_layers.RowParallelLinear.forward = unavailable
-        parallel_layers.RowParallelLinear.weight_loader = unavailable
         from datetime import timedelta
+
+        from minivllm.distributed import parallel_state
 
         store = dist.FileStore(store_path, tp)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=tp,
@@ -120,7 +114,7 @@ def _row_rank(layer_cls, cases, rank: int, tp: int, store_path: str, conn, exerc
                     "y": y.detach().clone() if isinstance(y, torch.Tensor) else y,
                     "weight": layer.weight.detach().clone(),
                 })
-    except DelegationError as e:
+    except Delegated as e:
         result["error"] = ("delegation", str(e))
     except NotImplementedError as e:  # an unsolved exercise: raised as such by the grader
         result["error"] = ("not_implemented", str(e))
@@ -182,6 +176,8 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
     ([output_size, input_size / tp_size]), ``bias`` ([output_size] or None, set by the grader
     to the whole bias), ``weight_loader(full_weight)`` and ``forward(x_shard)``. Graded on two
     gloo ranks against ``torch.nn.functional.linear`` of the whole weight and input."""
+    layer_cls = Exercise(exercise, answer=ROW_ANSWER, allowed=ROW_ALLOWED).take(
+        layer_cls, "RowParallelLinear")
     tp = 2
     cases = _row_cases(seed)
     results = _run_ranks(layer_cls, cases, tp, exercise)
@@ -189,7 +185,7 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
         if r["error"] is not None:
             kind, text = r["error"]
             if kind == "delegation":
-                raise DelegationError(text)
+                raise Delegated(text)
             if kind == "not_implemented":
                 raise NotImplementedError(text)
             hint = ""
@@ -337,53 +333,6 @@ def emulated_logits(models: list, token_ids: list[int], block_size: int = 16,
     return outputs[0]
 
 
-def _raise_delegation(name: str):
-    raise DelegationError(_DELEGATION_MESSAGE[name])
-
-
-def _unavailable_kv_head_partition(num_kv_heads, tp_size, tp_rank):
-    # runs as kv_head_partition's code, with parallel_layers' globals: it imports what it needs
-    from minivllm.course.checks.tp import _raise_delegation
-
-    _raise_delegation("kv_head_partition")
-
-
-_DELEGATION_MESSAGE: dict[str, str] = {}
-
-
-@contextmanager
-def without_package_sharding(exercise: str):
-    """While inside, the package's own q/k/v sharding is unavailable: ``kv_head_partition``
-    (every reference to it, including one imported before) and the q/k/v weight loaders."""
-    from minivllm.model import parallel_layers as pl
-
-    def message(name: str) -> str:
-        return (f"Exercise {exercise}: your function called the package's own {name}. The "
-                "exercise is to write that sharding yourself: while it is graded, the package's "
-                "kv_head_partition and its q/k/v weight loaders are unavailable.")
-
-    _DELEGATION_MESSAGE["kv_head_partition"] = message("kv_head_partition")
-
-    def loader_stub(name):
-        def stub(self, *args, **kwargs):
-            raise DelegationError(message(name))
-        return stub
-
-    fn = pl.kv_head_partition
-    saved_code = fn.__code__
-    saved = [(cls, cls.__dict__["weight_loader"]) for cls in (pl.QKVParallelLinear,
-                                                              pl.ColumnParallelLinear)]
-    fn.__code__ = _unavailable_kv_head_partition.__code__
-    for cls, _ in saved:
-        cls.weight_loader = loader_stub(f"{cls.__name__}.weight_loader")
-    try:
-        yield
-    finally:
-        fn.__code__ = saved_code
-        for cls, loader in saved:
-            cls.weight_loader = loader
-
-
 # (name, tiny checkpoint overrides, tp): GQA split, one KV head replicated, 2 KV heads over 4 ranks
 QKV_SETUPS = [
     ("4 query heads over 2 KV heads, tp=2 (KV heads split)", {}, 2),
@@ -405,8 +354,7 @@ def _reference_shard(t: torch.Tensor, heads: int, kv: int, tp: int, rank: int, w
 
 
 def _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank):
-    with without_package_sharding(exercise):
-        out = shard_qkv(q.clone(), k.clone(), v.clone(), heads, kv, tp, rank)
+    out = shard_qkv(q.clone(), k.clone(), v.clone(), heads, kv, tp, rank)
     if not (isinstance(out, (tuple, list)) and len(out) == 3):
         fail(exercise, f"shard_qkv returned {type(out).__name__}, expected a tuple "
                        f"(q_shard, k_shard, v_shard). {QKV_CONVENTION}")
@@ -447,6 +395,8 @@ def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None
     over a random sequence, at tensor-parallel size 2 or 4, must equal the unsharded model's.
     The ranks run together in this process, as threads whose collectives are summed in memory
     (see the module's docstring); the layers and the forward pass are the engine's own."""
+    shard_qkv = Exercise(exercise, answer=QKV_ANSWER, allowed="tensor slicing").take(
+        shard_qkv, "shard_qkv")
     from minivllm.course.checks.common import write_tiny_checkpoint
     from minivllm.model.config import ModelConfig
     from minivllm.model.loader import load_model

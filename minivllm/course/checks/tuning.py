@@ -1,27 +1,36 @@
 """Checker for chapter 05's exercise 5.2: choose the chunking knobs, graded on the simulator.
 
-The learner picks ``max_num_batched_tokens`` and ``long_prefill_token_threshold`` for the best
-mean time to first token (TTFT) while the P99 time per output token (TPOT: the gaps between a
-request's consecutive tokens) stays within ``TPOT_LIMIT_MS``, on chapter 11's serving workload
-(chats and, now and then, a long document; ``capstone.chat_and_documents``) arriving at
-``RATE`` requests/s on the simulated engine: the real v1 scheduler and block manager, the cost
-model of Llama-3-8B on one H100 (``minivllm.sim``). ``evaluate_chunking`` runs one choice,
-through the same ``capstone.simulate_at_rate`` that grades chapter 11's tuner.
+The learner writes ``choose_chunking(evaluate, tpot_limit_ms) -> choice``: it picks
+``max_num_batched_tokens`` and ``long_prefill_token_threshold`` for the best mean time to first
+token (TTFT) while the P99 time per output token (TPOT: the gaps between a request's consecutive
+tokens) stays within ``tpot_limit_ms``, on chapter 11's serving workload (chats and, now and
+then, a long document; ``capstone.chat_and_documents``) arriving at some rate on the simulated
+engine: the real v1 scheduler and block manager, the cost model of Llama-3-8B on one H100
+(``minivllm.sim``). ``evaluate(budget, threshold)`` runs one choice through the same
+``capstone.simulate_at_rate`` that grades chapter 11's tuner.
 
-The grader runs the choice, checks the TPOT limit, and runs a grid search itself (``GRID``,
-26 choices, a few seconds): the choice passes when its mean TTFT is within ``MARGIN`` of the
-grid's best that meets the limit. It says what it measured either way.
+The grader draws the arrival rate and the TPOT limit when it grades (``DRAWS`` settings, each a
+fresh draw unless a seed is given), so no fixed choice and no table of answers passes: for
+each, it runs the learner's function, checks the limit, and runs a grid search itself
+(``GRID``, 26 choices, a second or two): the choice passes when its mean TTFT is within
+``MARGIN`` of the grid's best under the limit. A failure says what the learner's choice
+measured and how far it is from the best, never which choice the best is.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 
 from minivllm.course.capstone import chat_and_documents, config_problem, simulate_at_rate
-from minivllm.course.checks.common import fail, passed
+from minivllm.course.checks.common import Exercise
 
-RATE = 16.0  # requests/s
-TPOT_LIMIT_MS = 20.0
+RATES = (6.0, 10.0, 16.0, 24.0, 32.0)  # requests/s the grader draws from
+# P99 TPOT limits (ms) it draws from: one tight and one loose, whose best choices differ (no
+# single choice is good for both), then one of any
+TIGHT, LOOSE, MIDDLE = (12.0, 15.0), (50.0, 80.0), (20.0, 30.0)
+DRAWS = 3
+RATE, TPOT_LIMIT_MS = 16.0, 20.0  # the setting the chapter's prose describes, for exploring
 MAX_NUM_SEQS = 64
 MARGIN = 0.10  # a choice passes within 10% of the grid's best mean TTFT
 KEYS = ("max_num_batched_tokens", "long_prefill_token_threshold")
@@ -30,68 +39,83 @@ THRESHOLDS = (0, 64, 128, 256, 512, 1024)
 GRID = tuple((b, t) for b in BUDGETS for t in THRESHOLDS if t < b)
 
 CONVENTION = (
-    f"Expected: a dict with exactly the keys max_num_batched_tokens (an int >= 16) and "
-    f"long_prefill_token_threshold (an int >= 0; 0: no cap), whose P99 TPOT on the simulated "
-    f"workload at {RATE:g} requests/s is at most {TPOT_LIMIT_MS:g} ms, and whose mean TTFT is "
-    f"within {MARGIN:.0%} of the best that a grid search finds under that limit.")
+    "Expected: choose_chunking(evaluate, tpot_limit_ms) returns a dict with exactly the keys "
+    "max_num_batched_tokens (an int >= 16) and long_prefill_token_threshold (an int >= 0; 0: no "
+    "cap), whose P99 TPOT (evaluate(budget, threshold)['p99_tpot_ms']) is at most tpot_limit_ms "
+    f"and whose mean TTFT is within {MARGIN:.0%} of the best that a grid search finds under that "
+    "limit.")
 
 
 @functools.lru_cache(maxsize=None)
-def _run(max_num_batched_tokens: int, long_prefill_token_threshold: int) -> dict:
+def _run(max_num_batched_tokens: int, long_prefill_token_threshold: int,
+         rate: float = RATE) -> dict:
     config = {"max_num_batched_tokens": max_num_batched_tokens,
               "long_prefill_token_threshold": long_prefill_token_threshold,
               "max_num_seqs": MAX_NUM_SEQS}
-    run = simulate_at_rate(config, chat_and_documents(), RATE)
+    run = simulate_at_rate(config, chat_and_documents(), rate)
     return {"mean_ttft_ms": run["mean_ttft_ms"], "p50_ttft_ms": run["p50_ttft_ms"],
             "p99_ttft_ms": run["p99_ttft_ms"], "p99_tpot_ms": run["p99_itl_ms"]}
 
 
-def evaluate_chunking(max_num_batched_tokens: int, long_prefill_token_threshold: int) -> dict:
-    """One choice on the simulated workload: mean, P50 and P99 TTFT, and P99 TPOT (ms)."""
-    return dict(_run(int(max_num_batched_tokens), int(long_prefill_token_threshold)))
+def evaluate_chunking(max_num_batched_tokens: int, long_prefill_token_threshold: int,
+                      rate: float = RATE) -> dict:
+    """One choice on the simulated workload at ``rate`` requests/s: mean, P50 and P99 TTFT, and
+    P99 TPOT (ms)."""
+    return dict(_run(int(max_num_batched_tokens), int(long_prefill_token_threshold), float(rate)))
 
 
-def grid_best() -> tuple[tuple[int, int], dict, int]:
-    """The grid's best choice under the TPOT limit: ((budget, threshold), its run, choices
-    within the limit)."""
-    within = [(key, _run(*key)) for key in GRID if _run(*key)["p99_tpot_ms"] <= TPOT_LIMIT_MS]
-    key, run = min(within, key=lambda kr: kr[1]["mean_ttft_ms"])
-    return key, run, len(within)
+def _grid_best(rate: float, limit: float) -> dict | None:
+    """The grader's search: the run of the grid's best choice under ``limit`` (None if none)."""
+    within = [_run(*key, rate) for key in GRID if _run(*key, rate)["p99_tpot_ms"] <= limit]
+    return min(within, key=lambda run: run["mean_ttft_ms"]) if within else None
 
 
-def _show(budget: int, threshold: int) -> str:
-    return f"max_num_batched_tokens={budget}, long_prefill_token_threshold={threshold}"
+def draw_settings(seed: int | None = None) -> list[tuple[float, float]]:
+    """(rate, TPOT limit) settings: a tight limit, a loose one, and one of any."""
+    rng = random.Random(seed) if seed is not None else random.SystemRandom()
+    limits = [rng.choice(TIGHT), rng.choice(LOOSE), rng.choice(TIGHT + MIDDLE + LOOSE)]
+    return [(rng.choice(RATES), limit) for limit in limits]
 
 
-def _problem(choice) -> str | None:
-    return config_problem(choice, KEYS)
+ANSWER = ("minivllm.course.checks.tuning:_grid_best", "minivllm.course.checks.tuning:draw_settings")
 
 
-def check_chunking_choice(choice, exercise: str = "5.2") -> None:
-    """``choice``: {max_num_batched_tokens, long_prefill_token_threshold}."""
-    problem = _problem(choice)
-    if problem:
-        fail(exercise, f"your choice {choice!r}: {problem}. {CONVENTION}")
-    budget, threshold = (int(choice[k]) for k in KEYS)
-    mine = _run(budget, threshold)
-    (best_b, best_t), best, feasible = grid_best()
-    measured = (f"your choice ({_show(budget, threshold)}): mean TTFT {mine['mean_ttft_ms']:.0f} "
-                f"ms, P99 TPOT {mine['p99_tpot_ms']:.1f} ms")
-    reference = (f"the best of a grid search over {len(GRID)} choices ({feasible} within the "
-                 f"limit) is {_show(best_b, best_t)}: mean TTFT {best['mean_ttft_ms']:.0f} ms, "
-                 f"P99 TPOT {best['p99_tpot_ms']:.1f} ms")
-    if mine["p99_tpot_ms"] > TPOT_LIMIT_MS:
-        fail(exercise, f"{measured}, over the {TPOT_LIMIT_MS:g} ms limit: every decode in a step "
-                       f"waits for the whole step, and a step is as long as its tokens make it "
-                       f"(a smaller max_num_batched_tokens or long_prefill_token_threshold "
-                       f"shortens the steps that carry prefill chunks). For comparison, "
-                       f"{reference}. {CONVENTION}")
-    if mine["mean_ttft_ms"] > best["mean_ttft_ms"] * (1 + MARGIN):
-        fail(exercise, f"{measured}, within the limit, but {reference}; yours is "
-                       f"{mine['mean_ttft_ms'] / best['mean_ttft_ms'] - 1:.0%} slower to the first "
-                       f"token, more than {MARGIN:.0%}. Hint: too small a budget or cap spreads "
-                       f"each prompt over many steps; too large a cap (or none) lets a "
-                       f"document's chunks take each step's budget while the chats behind it "
-                       f"wait. {CONVENTION}")
-    passed(exercise, f"{measured} (limit {TPOT_LIMIT_MS:g} ms); {reference}. Yours is within "
-                     f"{MARGIN:.0%} of it, on the simulated H100 at {RATE:g} requests/s.")
+def check_chunking_choice(choose_chunking, exercise: str = "5.2", seed: int | None = None) -> None:
+    """``choose_chunking(evaluate, tpot_limit_ms) -> {max_num_batched_tokens,
+    long_prefill_token_threshold}``, on settings drawn now (``seed``: the same draw again)."""
+    ex = Exercise(exercise, CONVENTION, ANSWER, allowed="the evaluate it is given")
+    if isinstance(choose_chunking, dict) or not callable(choose_chunking):
+        ex.fail(f"expected a function choose_chunking(evaluate, tpot_limit_ms), got "
+                f"{type(choose_chunking).__name__}: the grader draws the arrival rate and the "
+                "limit when it grades, so a fixed choice cannot be graded.")
+    choose_chunking = ex.take(choose_chunking, "choose_chunking")
+    for n, (rate, limit) in enumerate(draw_settings(seed), 1):
+        @ex.provide
+        def evaluate(max_num_batched_tokens, long_prefill_token_threshold, _rate=rate):
+            return evaluate_chunking(max_num_batched_tokens, long_prefill_token_threshold, _rate)
+
+        choice = choose_chunking(evaluate, limit)
+        problem = config_problem(choice, KEYS)
+        if problem:
+            ex.fail(f"your choice {choice!r}: {problem}.")
+        budget, threshold = (int(choice[k]) for k in KEYS)
+        mine, best = _run(budget, threshold, rate), _grid_best(rate, limit)
+        where = (f"setting {n} (drawn now: {rate:g} requests/s, P99 TPOT limit {limit:g} ms), "
+                 f"your choice (max_num_batched_tokens={budget}, long_prefill_token_threshold="
+                 f"{threshold}): mean TTFT {mine['mean_ttft_ms']:.0f} ms, P99 TPOT "
+                 f"{mine['p99_tpot_ms']:.1f} ms")
+        if mine["p99_tpot_ms"] > limit:
+            ex.fail(f"{where}, over the limit: every decode in a step waits for the whole step, "
+                    "and a step is as long as its tokens make it (a smaller "
+                    "max_num_batched_tokens or long_prefill_token_threshold shortens the steps "
+                    "that carry prefill chunks).")
+        if mine["mean_ttft_ms"] > best["mean_ttft_ms"] * (1 + MARGIN):
+            ex.fail(f"{where}, within the limit, but {mine['mean_ttft_ms'] / best['mean_ttft_ms'] - 1:.0%} "
+                    f"slower to the first token than the best choice of the grader's grid search "
+                    f"under that limit (more than {MARGIN:.0%}).",
+                    hint="too small a budget or cap spreads each prompt over many steps; too "
+                         "large a cap (or none) lets a document's chunks take each step's budget "
+                         "while the chats behind it wait.")
+    ex.passed(f"on {DRAWS} settings drawn when it was graded (arrival rate and P99 TPOT limit), "
+              f"your choices met the limit with a mean TTFT within {MARGIN:.0%} of the best a grid "
+              "search finds, on the simulated H100.")

@@ -1,0 +1,267 @@
+"""No exercise passes by delegation or a constant. For every exercise (chapter 09's have their own
+tests), a "notebook cell" submits (a) the package's own implementation under the expected name,
+(b) a bare subclass or an alias, and (c) a wrapper that reaches the answer some other way (a
+name bound before grading, a closure, an import inside the function, importlib at run time);
+each must fail with the grading harness's Delegated, naming what it reached. Most are refused
+before the grader runs anything, so the whole file takes seconds. The constant answers of 5.2
+and 11.1 are in test_course_checks.py and test_course_checks_11.py (targets drawn at grading)."""
+
+import textwrap
+
+import pytest
+
+from minivllm.course import checks
+
+
+def _cell(source: str) -> dict:
+    """Run ``source`` as a notebook cell would (its own globals, compiled from a string)."""
+    scope: dict = {}
+    exec(compile(textwrap.dedent(source), "<notebook cell>", "exec"), scope)
+    return scope
+
+
+# (exercise, checker, the name the grade cell passes, the cell, what the refusal must name)
+CHEATS = [
+    # 1.1 RMSNorm: the measured cheat, an alias, a bound name, the module
+    ("1.1", "check_rms_norm", "rms_norm",
+     "from minivllm.model.layers import rms_norm", "minivllm.model.layers.rms_norm"),
+    ("1.1", "check_rms_norm", "rms_norm", """
+        from minivllm.model import layers
+        package_norm = layers.rms_norm
+        def rms_norm(x, weight, eps):
+            return package_norm(x, weight, eps)
+        """, "rms_norm"),
+    ("1.1", "check_rms_norm", "rms_norm", """
+        import types
+        from minivllm.model import layers
+        rms_norm = types.FunctionType(layers.rms_norm.__code__, globals())
+        """, "minivllm.model.layers.rms_norm"),
+    # 1.2 rotary
+    ("1.2", "check_rotary", "apply_rotary", """
+        from minivllm.model.layers import RotaryEmbedding
+        def apply_rotary(x, positions, base):
+            return RotaryEmbedding(x.shape[-1], 4096, base)(positions, x, x)[0]
+        """, "RotaryEmbedding"),
+    ("1.2", "check_rotary", "apply_rotary",
+     "from minivllm.model.layers import rotary_embedding as apply_rotary", "rotary_embedding"),
+    # 1.3 attention: the chapter's SDPA cell, the grader's own reference
+    ("1.3", "check_gqa_attention", "gqa_attention", """
+        import torch.nn.functional as F
+        def gqa_attention(q, k, v, scale):
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(0, 1)
+        """, "scaled_dot_product_attention"),
+    ("1.3", "check_gqa_attention", "gqa_attention",
+     "from minivllm.course.checks.model import reference_gqa_attention as gqa_attention",
+     "reference_gqa_attention"),
+    # 2.1 sampler: the measured alias, a bare subclass, composition
+    ("2.1", "check_sampler", "MySampler",
+     "from minivllm.sample.sampler import Sampler as MySampler", "minivllm.sample.sampler.Sampler"),
+    ("2.1", "check_sampler", "MySampler", """
+        from minivllm.sample.sampler import Sampler
+        class MySampler(Sampler):
+            pass
+        """, "minivllm.sample.sampler.Sampler"),
+    ("2.1", "check_sampler", "MySampler", """
+        import torch
+        from minivllm.sample import sampler
+        class MySampler(torch.nn.Module):
+            def forward(self, logits, meta):
+                keep = sampler.apply_top_k_top_p(logits / meta.temperature[:, None], meta.top_k,
+                                                 meta.top_p)
+                return keep.argmax(-1)
+        """, "apply_top_k_top_p"),
+    # 2.2 the generation loop: an import inside the function
+    ("2.2", "check_cached_generation", "generate_with_cache", """
+        def generate_with_cache(model, prompt_ids, n, block_size=16):
+            from minivllm.model.standalone import greedy_generate
+            return greedy_generate(model, prompt_ids, n, block_size)[0]
+        """, "greedy_generate"),
+    # 3.1 (warm-up) slot mapping, 3.1 allocate_slots, 3.2 paged attention
+    ("3.1", "check_slot_mapping", "compute_slot_mapping",
+     "from minivllm.worker.block_table import compute_slot_mapping", "compute_slot_mapping"),
+    ("3.1", "check_allocate_slots", "MyKVCacheManager",
+     "from minivllm.core.kv_cache_manager import KVCacheManager as MyKVCacheManager",
+     "KVCacheManager.allocate_slots"),
+    ("3.1", "check_allocate_slots", "MyKVCacheManager", """
+        from minivllm.core.kv_cache_manager import KVCacheManager
+        class MyKVCacheManager(KVCacheManager):
+            pass
+        """, "does not define allocate_slots"),
+    ("3.1", "check_allocate_slots", "MyKVCacheManager", """
+        from minivllm.core.kv_cache_manager import KVCacheManager
+        class MyKVCacheManager(KVCacheManager):
+            def allocate_slots(self, request, num_new_tokens, *args):
+                return super().allocate_slots(request, num_new_tokens, *args)
+        """, "super().allocate_slots"),
+    ("3.2", "check_paged_attention", "paged_attention", """
+        from minivllm.attention import torch_backend
+        def paged_attention(q, kv_cache, block_table, seq_len, scale):
+            return torch_backend.paged_decode_attention(q, kv_cache, block_table, seq_len, scale)
+        """, "paged_decode_attention"),
+    # 4.1 and 5.1 schedulers
+    ("4.1", "check_phase_separated_scheduler", "MyPhaseSeparatedScheduler",
+     "from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler as MyPhaseSeparatedScheduler",
+     "PhaseSeparatedScheduler"),
+    ("4.1", "check_phase_separated_scheduler", "MyPhaseSeparatedScheduler", """
+        from minivllm.core.scheduler import Scheduler
+        class MyPhaseSeparatedScheduler(Scheduler):
+            pass
+        """, "does not define schedule"),
+    ("5.1", "check_unified_scheduler", "MyScheduler",
+     "from minivllm.core.scheduler import Scheduler as MyScheduler", "Scheduler.schedule"),
+    ("5.1", "check_unified_scheduler", "MyScheduler", """
+        from minivllm.core.scheduler import Scheduler
+        class MyScheduler(Scheduler):
+            def schedule(self):
+                return super().schedule()
+        """, "super().schedule"),
+    ("5.1", "check_unified_scheduler", "MyScheduler", """
+        from minivllm.core.scheduler import Scheduler
+        class MyScheduler(Scheduler):
+            def schedule(self):
+                admit = self._try_admit
+                return Scheduler.schedule(self)
+        """, "Scheduler."),
+    # 5.2: the grader's own search is not importable as the answer
+    ("5.2", "check_chunking_choice", "choose_chunking", """
+        from minivllm.course.checks import tuning
+        def choose_chunking(evaluate, tpot_limit_ms):
+            return tuning._grid_best(16.0, tpot_limit_ms)
+        """, "_grid_best"),
+    # 6.1 hashes: the measured import, Python's hash()
+    ("6.1", "check_block_hashes", ("hash_block_tokens", "update_block_hashes"),
+     "from minivllm.core.kv_cache_utils import hash_block_tokens, update_block_hashes",
+     "minivllm.core.kv_cache_utils.hash_block_tokens"),
+    ("6.1", "check_block_hashes", ("hash_block_tokens", "update_block_hashes"), """
+        def hash_block_tokens(parent, token_ids, extra_keys):
+            return hash((parent, tuple(token_ids))).to_bytes(8, "little", signed=True)
+        def update_block_hashes(request, block_size):
+            return request.block_hashes
+        """, "built-in hash()"),
+    # 6.2 block pool: the measured bare subclass, an alias, composition
+    ("6.2", "check_block_pool", "MyBlockPool", """
+        from minivllm.core.block_pool import BlockPool
+        class MyBlockPool(BlockPool):
+            pass
+        """, "subclasses minivllm.core.block_pool.BlockPool"),
+    ("6.2", "check_block_pool", "MyBlockPool",
+     "from minivllm.core.block_pool import BlockPool as MyBlockPool", "BlockPool"),
+    ("6.2", "check_block_pool", "MyBlockPool", """
+        from minivllm.core import block_pool
+        class MyBlockPool:
+            def __init__(self, num_blocks, enable_caching=True):
+                self.pool = block_pool.BlockPool(num_blocks, enable_caching)
+            def __getattr__(self, name):
+                return getattr(self.pool, name)
+        """, "BlockPool"),
+    # 7.1 busy loop, 7.2 detokenizer
+    ("7.1", "check_busy_loop", "MyEngineCoreProc",
+     "from minivllm.engine.core_proc import EngineCoreProc as MyEngineCoreProc", "EngineCoreProc"),
+    ("7.2", "check_detokenizer", "MyDetokenizer", """
+        from minivllm.engine.detokenizer import FastIncrementalDetokenizer
+        class MyDetokenizer(FastIncrementalDetokenizer):
+            pass
+        """, "IncrementalDetokenizer"),
+    # 8.1 and 8.2: names bound before grading (the attribute swap missed them)
+    ("8.1", "check_chat_stream", "chat_stream", """
+        from minivllm.entrypoints.openai.serving import chat_completion_stream_generator
+        async def chat_stream(request_id, model, outputs, include_usage):
+            async for event in chat_completion_stream_generator(request_id, model, outputs,
+                                                                include_usage):
+                yield event
+        """, "chat_completion_stream_generator"),
+    ("8.2", "check_benchmark_metrics", "benchmark_metrics", """
+        from minivllm.benchmarks.serve import summarize as package_summary
+        def benchmark_metrics(traces, duration_s, slos_ms):
+            return package_summary(traces, duration_s, slos_ms)
+        """, "minivllm.benchmarks.serve.summarize"),
+    ("8.2", "check_benchmark_metrics", "benchmark_metrics",
+     "from minivllm.course.checks.serving import reference_metrics as benchmark_metrics",
+     "reference_metrics"),
+    # 10.x
+    ("10.1", "check_persistent_batch", "PersistentBatch", """
+        from minivllm.worker.input_batch import InputBatch
+        class PersistentBatch(InputBatch):
+            pass
+        """, "InputBatch"),
+    ("10.2", "check_graph_runner", "GraphRunner",
+     "from minivllm.worker.cuda_graphs import DecodeCudaGraphs as GraphRunner", "DecodeCudaGraphs"),
+    ("10.3", "check_capture_sizes", "choose_capture_sizes", """
+        from minivllm.worker.cuda_graphs import cudagraph_batch_sizes
+        def choose_capture_sizes(probs, max_graphs, max_batch):
+            return cudagraph_batch_sizes(max_batch)[:max_graphs]
+        """, "cudagraph_batch_sizes"),
+    # 11.1: the grader's own search
+    ("11.1", "check_goodput_tuner", "tune", """
+        from minivllm.course.checks.capstone import _reference_choice
+        def tune(evaluate, targets):
+            return _reference_choice(evaluate)
+        """, "_reference_choice"),
+    # 12.x
+    ("12.1", "check_row_parallel_linear", "RowParallelLinear", """
+        from minivllm.model import parallel_layers
+        class RowParallelLinear(parallel_layers.RowParallelLinear):
+            pass
+        """, "RowParallelLinear"),
+    ("12.2", "check_qkv_sharding", "shard_qkv", """
+        from minivllm.model.parallel_layers import kv_head_partition as partition
+        def shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank):
+            first, count = partition(num_kv_heads, tp_size, tp_rank)
+            d = q.shape[0] // num_heads
+            per = num_heads // tp_size
+            rows = slice(first * d, (first + count) * d)
+            return q[tp_rank * per * d:(tp_rank + 1) * per * d], k[rows], v[rows]
+        """, "kv_head_partition"),
+]
+
+
+@pytest.mark.parametrize("exercise, checker, names, source, named", CHEATS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CHEATS)])
+def test_a_cheat_fails_naming_what_it_reached(exercise, checker, names, source, named):
+    scope = _cell(source)
+    args = [scope[n] for n in ((names,) if isinstance(names, str) else names)]
+    with pytest.raises(checks.Delegated) as info:
+        getattr(checks, checker)(*args)
+    message = str(info.value)
+    assert message.startswith(f"Exercise {exercise}"), message
+    assert named in message and "the package's own answer" in message or "hash()" in message, \
+        message
+
+
+def test_every_exercise_outside_chapter_09_has_a_cheat():
+    graded = {c[0] for c in CHEATS}
+    assert graded >= {"1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "4.1", "5.1", "5.2", "6.1",
+                      "6.2", "7.1", "7.2", "8.1", "8.2", "10.1", "10.2", "10.3", "11.1", "12.1",
+                      "12.2"}
+
+
+def test_a_cheat_that_catches_the_refusal_still_fails():
+    scope = _cell("""
+        import importlib
+        import torch
+        def rms_norm(x, weight, eps):
+            try:
+                package = importlib.import_module("minivllm.model.layers")
+                return getattr(package, "rms" + "_norm")(x, weight, eps)
+            except Exception:
+                x32 = x.float()
+                return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+                        * weight.float()).to(x.dtype)
+        """)
+    with pytest.raises(checks.Delegated, match="while it ran"):
+        checks.check_rms_norm(scope["rms_norm"])
+
+
+def test_grid_best_is_gone_and_a_failure_never_names_the_best_choice():
+    from minivllm.course.checks import tuning
+
+    assert not hasattr(tuning, "grid_best")
+    with pytest.raises(checks.CheckFailed) as info:
+        checks.check_chunking_choice(
+            lambda evaluate, limit: {"max_num_batched_tokens": 128,
+                                     "long_prefill_token_threshold": 64}, seed=1)
+    message = str(info.value)
+    assert message.count("max_num_batched_tokens=") == 1, message  # the learner's own choice
