@@ -152,6 +152,13 @@ class Context:
     def __init__(self, args, scratch: str, peaks: dict) -> None:
         self.quick, self.out, self.scratch, self.peaks = args.quick, args.out, scratch, peaks
         self.num_prompts = args.num_prompts
+        self.result_path: str | None = None  # where the running phase's result goes
+
+    def save_partial(self, section: dict) -> None:
+        """What a phase has so far: kept if the phase then runs out of time or dies."""
+        if self.result_path:
+            with open(self.result_path + ".partial", "w") as f:
+                json.dump(section, f, default=str)
 
     def checkpoint(self, name: str, preset, dtype: str = "float32", tokenizer: bool = False,
                    **overrides) -> str:
@@ -430,6 +437,8 @@ def phase_kernels(ctx: Context) -> dict:
             record(f"rotary {name}", a, b, dt, atol_scale=4)
 
     details = {"checks": checks, "max_abs_err": worst}
+    ctx.save_partial({"figure": f"{sum(c['ok'] for c in checks)}/{len(checks)} checks",
+                      "details": details})
     figures = {}
     if cuda:
         # a KV cache past 2^31 elements: the block offsets must be int64 (bf16, 8.6 GiB)
@@ -493,7 +502,7 @@ def phase_e2e(ctx: Context) -> dict:
     _exact_float32()
     cuda = _cuda()
     archs = REAL_ARCHS if cuda else TINY_ARCHS
-    n, lens, new = (4, (7, 300), 24) if cuda else (2, (5, 12), 4)
+    n, lens, new = (4, (7, 300), 24) if cuda else (2, (5, 10), 3)
     details, bad = {}, []
     for label, preset in archs.items():
         name = preset if isinstance(preset, str) else "qwen2.5-0.5b"
@@ -529,6 +538,8 @@ def phase_e2e(ctx: Context) -> dict:
                           "prompt_lens": [len(p) for p in prompts], "new_tokens": new}
         if not ok:
             bad.append(label)
+        ctx.save_partial({"figure": f"{len(details) - len(bad)}/{len(details)} match",
+                          "details": details})
     verdict = "fail" if bad else "pass"
     near = sum(d["near_ties"] for d in details.values())
     fig = (f"{len(archs) - len(bad)}/{len(archs)} architectures match transformers"
@@ -570,7 +581,8 @@ def phase_cuda_graphs(ctx: Context) -> dict:
     _exact_float32()
     cuda = _cuda()
     small = ctx.checkpoint("qwen3", "qwen3", "float32")
-    prompts = _prompts(3, (5, 40), 30000, seed=7)
+    # 3 sequences: the graphs' batch of 4 carries a padding row
+    prompts = _prompts(3, (5, 40) if cuda else (5, 10), 30000, seed=7)
     tokens, cpu_times = {}, {"graphs": {}, "eager": {}}
     for name in ("graphs", "eager"):
         extra = {"dtype": "float32", "enforce_eager": name == "eager" or not cuda}
@@ -582,7 +594,7 @@ def phase_cuda_graphs(ctx: Context) -> dict:
             runner.capture_model(capture=False)
         used = runner.cuda_graphs is not None
         first = llm.llm_engine.get_stats()["num_steps"]
-        tokens[name] = (_engine_tokens(llm, prompts, 12 if cuda else 5), used,
+        tokens[name] = (_engine_tokens(llm, prompts, 12 if cuda else 4), used,
                         sorted(runner.cuda_graphs.graphs) if used else [])
         trace = [t for t in llm.llm_engine.get_step_trace() if t["step"] > first]
         decode = [t["duration_s"] for t in trace if all(k == "decode" for _, _, k in t["scheduled"])]
@@ -596,6 +608,7 @@ def phase_cuda_graphs(ctx: Context) -> dict:
                "eager_has_no_graphs": not tokens["eager"][1],
                "captured_sizes": tokens["graphs"][2]}
     ok = same and tokens["graphs"][1] and not tokens["eager"][1]
+    ctx.save_partial({"figure": "tokens equal" if same else "tokens differ", "details": details})
     if cuda:
         ok = ok and bool(tokens["graphs"][2])
         big = ctx.checkpoint("qwen3-0.6b", "qwen3-0.6b", "bfloat16")
@@ -641,12 +654,13 @@ def phase_compile(ctx: Context) -> dict:
         if cuda:
             extra["enforce_eager"] = True  # compile alone: graphs are the cuda_graphs phase's
         llm = LLM(path, **ctx.engine_kwargs(**extra))
-        tokens[name] = _engine_tokens(llm, prompts, 8 if cuda else 4)
+        tokens[name] = _engine_tokens(llm, prompts, 8 if cuda else 3)
         del llm
         _free()
     same = tokens["compile"] == tokens["eager"]
     details = {"tokens_equal": same, "backend": "inductor" if cuda else "eager (quick)"}
     fig = "tokens equal" if same else "tokens differ"
+    ctx.save_partial({"figure": fig, "details": details})
     if cuda:
         big = ctx.checkpoint("qwen3-0.6b", "qwen3-0.6b", "bfloat16")
         times = _step_times(ctx, big, {"compile": {"compile": True},
@@ -954,6 +968,8 @@ def phase_notebooks(ctx: Context, deadline: float) -> dict:
             r = {"error": {"ename": repr(e)}}
         r["notebook"] = os.path.basename(path)
         results.append(r)
+        ctx.save_partial({"figure": f"{len(results)} of {len(chapters)} notebooks",
+                          "details": {"notebooks": results}})
     failed = [r["notebook"] for r in results if r.get("error")]
     stored = sorted(os.listdir(env["MINIVLLM_GPU_RESULTS"])) if os.path.isdir(
         env["MINIVLLM_GPU_RESULTS"]) else []
@@ -974,8 +990,9 @@ PHASE_FUNCS = {"peaks": phase_peaks, "tests": phase_tests, "kernels": phase_kern
 def run_in_child(fn, timeout_s: float, result_path: str) -> dict:
     """Run ``fn()`` in a forked child under ``timeout_s``; the dict it returned (written to
     ``result_path`` as JSON), or what became of it: an exception, a crash, a timeout."""
-    if os.path.exists(result_path):
-        os.remove(result_path)
+    for stale in (result_path, result_path + ".partial"):
+        if os.path.exists(stale):
+            os.remove(stale)
     pid = os.fork()
     if pid == 0:  # the child: its own process group, so a timeout also ends what it started
         code = 0
@@ -996,9 +1013,9 @@ def run_in_child(fn, timeout_s: float, result_path: str) -> dict:
             sys.stderr.flush()
             os._exit(code)
     start = time.monotonic()
-    status = None
+    status, usage = None, None
     while time.monotonic() - start < timeout_s:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             break
         time.sleep(0.05)
@@ -1010,15 +1027,31 @@ def run_in_child(fn, timeout_s: float, result_path: str) -> dict:
                 break
             time.sleep(1)
         os.waitpid(pid, 0)
-        return {"verdict": "timeout", "figure": f"no result in {timeout_s:.0f} s", "vs_peak": "-",
-                "details": {}}
+        return _with_partial({"verdict": "timeout", "figure": f"no result in {timeout_s:.0f} s",
+                              "vs_peak": "-", "details": {}}, result_path)
     if os.path.isfile(result_path):
         with open(result_path) as f:
-            return json.load(f)
+            section = json.load(f)
+        # CPU seconds of the phase's process and the processes it waited for
+        section["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
+        return section
     how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
            else f"exit code {os.WEXITSTATUS(status)}")
-    return {"verdict": "error", "figure": f"the phase's process died ({how})", "vs_peak": "-",
-            "details": {}}
+    return _with_partial({"verdict": "error", "figure": f"the phase's process died ({how})",
+                          "vs_peak": "-", "details": {}}, result_path)
+
+
+def _with_partial(section: dict, result_path: str) -> dict:
+    """A phase that did not finish: keep what it saved with ``Context.save_partial``."""
+    try:
+        with open(result_path + ".partial") as f:
+            partial = json.load(f)
+    except (OSError, ValueError):
+        return section
+    section["details"] = partial.get("details", partial)
+    if partial.get("figure"):
+        section["figure"] += f"; so far: {partial['figure']}"
+    return section
 
 
 def write_report(path: str, result: dict) -> None:
@@ -1059,29 +1092,33 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t_start + args.budget
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.quick:
+        # tiny shapes: a thread pool only adds latency (and on a shared CPU, waits for threads
+        # that are not scheduled: ten times slower here); the server and pytest inherit it
+        os.environ["OMP_NUM_THREADS"] = "1"
     # whether CUDA is here, asked in a child: this process must not initialise CUDA (it forks)
     probe = os.path.join(tempfile.gettempdir(), f"gpu-check-probe-{os.getpid()}.json")
     has_cuda = run_in_child(lambda: {"cuda": _cuda()}, 120, probe).get("cuda", False)
     if not has_cuda:  # kernels then run in Triton's interpreter (set before triton is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch  # noqa: F401 - imported once here, shared by every forked phase
+    import torch  # imported once here, shared by every forked phase
     import transformers  # noqa: F401
 
     import minivllm  # noqa: F401
+    if args.quick:
+        torch.set_num_threads(1)
     from minivllm.benchmarks.common import machine_info, write_json
 
     args.out = os.path.abspath(args.out)
     os.makedirs(os.path.join(args.out, "phases"), exist_ok=True)
-    machine = machine_info()
+    # asked in a child too: machine_info() asks torch about CUDA
+    machine = run_in_child(machine_info, 60, probe)
     try:
         import triton
 
         machine["triton"] = triton.__version__
     except ImportError:
         machine["triton"] = None
-    if has_cuda:
-        machine["gpu"] = run_in_child(lambda: {"gpu": __import__("torch").cuda.get_device_name()},
-                                      60, probe).get("gpu")
     result = {"command": "python -m minivllm.benchmarks.gpu_check " + " ".join(argv or sys.argv[1:]),
               "machine": machine, "quick": args.quick, "budget_s": args.budget, "peaks": {},
               "phases": {}}
@@ -1102,7 +1139,8 @@ def main(argv: list[str] | None = None) -> int:
                 phase_deadline = time.monotonic() + timeout - 5
                 call = (lambda fn=fn: fn(ctx, phase_deadline)) if name == "notebooks" else \
                     (lambda fn=fn: fn(ctx))
-                section = run_in_child(call, timeout, os.path.join(args.out, "phases", name + ".json"))
+                ctx.result_path = os.path.join(args.out, "phases", name + ".json")
+                section = run_in_child(call, timeout, ctx.result_path)
             section["wall_s"] = time.monotonic() - start
             if name == "peaks" and "peaks" in section:
                 result["peaks"].update(section.pop("peaks"))
