@@ -36,6 +36,16 @@ CHEATS = [
         from minivllm.model import layers
         rms_norm = types.FunctionType(layers.rms_norm.__code__, globals())
         """, "minivllm.model.layers.rms_norm"),
+    ("1.1", "check_rms_norm", "rms_norm", """
+        import torch.nn.functional as F
+        def rms_norm(x, weight, eps):
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
+        """, "torch.nn.functional.rms_norm"),
+    ("1.1", "check_rms_norm", "rms_norm", """
+        from minivllm import cpu_kernels
+        def rms_norm(x, weight, eps):
+            return cpu_kernels.cpu_elementwise_ops({})["rms_norm"](x, weight, eps)
+        """, "cpu_elementwise_ops"),
     # 1.2 rotary
     ("1.2", "check_rotary", "apply_rotary", """
         from minivllm.model.layers import RotaryEmbedding
@@ -51,6 +61,14 @@ CHEATS = [
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
                                                v.transpose(0, 1), is_causal=True, scale=scale,
                                                enable_gqa=True)
+            return o.transpose(0, 1)
+        """, "scaled_dot_product_attention"),
+    ("1.3", "check_gqa_attention", "gqa_attention", """
+        import torch
+        def gqa_attention(q, k, v, scale):
+            o = torch.ops.aten.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                scale=scale, enable_gqa=True)
             return o.transpose(0, 1)
         """, "scaled_dot_product_attention"),
     ("1.3", "check_gqa_attention", "gqa_attention",

@@ -91,8 +91,11 @@ def _model_check(exercise: str, what: str, swap=None, backend="torch") -> None:
 
 # -- Exercise 1.1: RMSNorm -----------------------------------------------------------------------
 
+# the package's norm, its C kernels, and torch's own RMSNorm
+KERNELS = ("minivllm.cpu_kernels:library", "minivllm.cpu_kernels:cpu_elementwise_ops",
+           "minivllm.model.layers:NATIVE_OPS")
 RMS_ANSWER = ("minivllm.model.layers:rms_norm", "minivllm.model.layers:RMSNorm",
-              "minivllm.model.layers:NATIVE_OPS")
+              "torch.nn.functional:rms_norm", "torch:rms_norm", "torch.nn:RMSNorm") + KERNELS
 RMS_CONVENTION = ("Expected: x / sqrt(mean(x**2 over the last dim) + eps) * weight, computed in "
                   "float32 and returned in x's dtype.")
 
@@ -131,7 +134,7 @@ def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
 # -- Exercise 1.2: rotary embedding --------------------------------------------------------------
 
 ROPE_ANSWER = ("minivllm.model.layers:rotary_embedding", "minivllm.model.layers:RotaryEmbedding",
-               "minivllm.model.layers:NATIVE_OPS")
+               ) + KERNELS
 ROPE_CONVENTION = ("Expected (RoPE, 'neox' layout): with d = head_dim and inv_freq[i] = "
                    "base ** (-2i / d) for i < d/2, the pair (x[..., i], x[..., i + d/2]) of a token at "
                    "position p is rotated by the angle p * inv_freq[i].")
@@ -187,6 +190,7 @@ def check_rotary(apply_rotary, exercise: str = "1.2", seed: int = 0) -> None:
 
 # torch's fused attention is the reference (and the chapter's cell): the exercise writes it
 GQA_ANSWER = ("torch.nn.functional:scaled_dot_product_attention",
+              "torch:ops.aten.scaled_dot_product_attention", "torch.nn:MultiheadAttention",
               "minivllm.course.checks.model:reference_gqa_attention",
               "minivllm.attention.torch_backend:paged_prefill_attention",
               "minivllm.attention.torch_backend:paged_decode_attention",
