@@ -113,3 +113,71 @@ def test_cli_has_the_subcommand():
     assert args.func is vs_vllm.main and args.shape == ["128:128:32:8", "512:32:32:16"]
     with pytest.raises(ValueError, match="vllm_venv"):
         vs_vllm.main(args)  # no such venv: said before anything starts
+
+
+def test_engine_core_thread_rule(monkeypatch):
+    """All the usable cores below RESERVE_SERVER_CORE_FROM, one left to the server from there;
+    OMP_NUM_THREADS and GPUs are left alone (docs/serving_speed.md has the measurements)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from minivllm.engine import core_proc
+
+    def config(kind):
+        return SimpleNamespace(device_config=SimpleNamespace(device=torch.device(kind)))
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    limit = core_proc.RESERVE_SERVER_CORE_FROM
+    for cores, want in ((1, 1), (2, 2), (limit - 1, limit - 1), (limit, limit - 1), (64, 63)):
+        monkeypatch.setattr(core_proc, "usable_cpu_cores", lambda c=cores: c)
+        assert core_proc.engine_core_cpu_threads(config("cpu")) == want
+    assert core_proc.engine_core_cpu_threads(config("cuda")) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert core_proc.engine_core_cpu_threads(config("cpu")) is None
+
+
+def test_usable_cores_respects_the_affinity_mask():
+    from minivllm.engine.core_proc import usable_cpu_cores
+
+    code = "from minivllm.engine.core_proc import usable_cpu_cores as u; print(u())"
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and two CPUs")
+    cpu = min(os.sched_getaffinity(0))
+    out = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", code],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"taskset unavailable: {out.stderr[-200:]}")
+    assert out.stdout.strip() == "1"
+    assert usable_cpu_cores() >= 1
+
+
+def test_governor_follows_the_cores_other_programs_leave(monkeypatch):
+    import torch
+
+    from minivllm.engine.core_proc import CpuShareGovernor
+
+    before = torch.get_num_threads()
+    busy = [0]
+    monkeypatch.setattr(CpuShareGovernor, "others_running", staticmethod(lambda: busy[0]))
+    gov = CpuShareGovernor(max_threads=4, interval=0.0)  # every tick closes a window
+    try:
+        torch.set_num_threads(4)
+        gov.tick()
+        assert torch.get_num_threads() == 4  # quiet: all threads
+        busy[0] = 3
+        gov.tick()
+        assert torch.get_num_threads() == 4  # one window is not enough
+        gov.tick()
+        assert torch.get_num_threads() == 1  # two in a row: 4 - 3
+        busy[0] = 9
+        gov.tick(), gov.tick()
+        assert torch.get_num_threads() == 1  # never below one
+        busy[0] = 0
+        gov.tick(), gov.tick()
+        assert torch.get_num_threads() == 4  # quiet again: all of them back
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    if os.path.exists("/proc/stat"):  # the real sampler reads /proc on Linux
+        assert CpuShareGovernor.others_running() >= 0

@@ -45,8 +45,10 @@ THREAD_FAILED = "thread_failed"
 
 
 class EngineCoreProc:
-    def __init__(self, engine_core: EngineCore, output_put: Callable[[EngineCoreOutputs], None]):
+    def __init__(self, engine_core: EngineCore, output_put: Callable[[EngineCoreOutputs], None],
+                 governor: "CpuShareGovernor | None" = None):
         self.engine_core = engine_core
+        self.governor = governor
         self.input_queue: queue.Queue = queue.Queue()  # (EngineCoreRequestType, payload)
         self.output_put = output_put
         self.running = True
@@ -58,6 +60,8 @@ class EngineCoreProc:
                 handled = self._process_input_queue()
                 if not self.running:
                     break
+                if self.governor is not None:
+                    self.governor.tick()
                 outputs = self.engine_core.step()
                 if outputs or handled:  # something changed: new tokens, or at least the stats
                     self.output_put(EngineCoreOutputs(
@@ -105,15 +109,37 @@ class EngineCoreProc:
             return UtilityOutput(call_id, error=f"{type(e).__name__}: {e}")
 
 
+# From this many cores up, a CPU engine core leaves one to the API server (see
+# engine_core_cpu_threads; the measurements are in docs/serving_speed.md).
+RESERVE_SERVER_CORE_FROM = 8
+
+
+def usable_cpu_cores() -> int:
+    """The cores torch would use here: its default thread count (physical cores), never more
+    than the CPUs this process may run on (``taskset``, a container's cpuset)."""
+    import torch
+
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        allowed = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), allowed))
+
+
 def engine_core_cpu_threads(config) -> int | None:
-    """On a CPU, the torch threads an engine core beside an API server should use: all cores
-    but one, which is left to the server. torch's worker threads wait for each other at every
-    op, so one of them losing its core to the server stalls the whole step. An explicit
-    OMP_NUM_THREADS wins (None: leave torch alone; on a GPU the core mostly launches kernels)."""
-    cpus = os.cpu_count() or 1
-    if config.device_config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cpus < 2:
+    """On a CPU, the torch threads an engine core beside an API server should use.
+
+    All the cores on a small machine: the server's share of a core is small (about 1-3 % of
+    one core while it streams a saturated engine's tokens on 2 cores), and the cost of sharing
+    is only that: a torch op stalls while the server holds one of its threads' cores. Leaving
+    a core to the server instead costs 1/N of the engine's compute, which is cheaper only when
+    N is large and the server busy: from ``RESERVE_SERVER_CORE_FROM`` cores up it gets one.
+    An explicit OMP_NUM_THREADS wins (None: leave torch alone; so does a GPU, where the core
+    mostly launches kernels)."""
+    if config.device_config.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return None
-    return cpus - 1
+    cores = usable_cpu_cores()
+    return cores - 1 if cores >= RESERVE_SERVER_CORE_FROM else cores
 
 
 def configure_cpu_threads(config) -> None:
@@ -122,6 +148,73 @@ def configure_cpu_threads(config) -> None:
     threads = engine_core_cpu_threads(config)
     if threads is not None:
         torch.set_num_threads(min(torch.get_num_threads(), threads))
+
+
+class CpuShareGovernor:
+    """Fits the engine core's torch threads to the cores other programs leave free, while it runs.
+
+    torch's threads meet at the end of every parallel op; when another program takes the core
+    of one of them, the others wait for it, op after op. On a 2-core machine that other
+    programs also kept busy (load average about 10), a server whose core ran 2 threads
+    streamed 4.8 output tokens/s against 37.9 with 1 (docs/serving_speed.md). So every
+    ``interval`` seconds of stepping it samples how many threads of *other* processes are
+    runnable (``/proc/stat``'s ``procs_running`` minus this process's own), and between steps
+    sets ``max_threads - round(mean)`` threads (at least 1) once two windows in a row agree
+    (a sample at most every ``interval / samples`` seconds, one per step when steps are longer).
+    On a quiet machine the mean stays near 0 and the core keeps all its threads. Linux only
+    (elsewhere, and with OMP_NUM_THREADS set, it does nothing)."""
+
+    def __init__(self, max_threads: int, interval: float = 2.0, samples: int = 8) -> None:
+        self.max_threads = max_threads
+        self.interval = interval
+        self.sample_every = interval / samples
+        self.samples: list[int] = []
+        self.last_sample = self.window_start = 0.0
+        self.pending: int | None = None
+        self.enabled = max_threads > 1 and os.path.exists("/proc/stat")
+
+    @staticmethod
+    def others_running() -> int:
+        with open("/proc/stat", "rb") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith(b"procs_running"))
+        mine = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                    state = f.read().rpartition(b")")[2].split()[0]
+            except (OSError, IndexError):
+                continue
+            mine += state == b"R"
+        return max(0, running - mine)
+
+    def tick(self) -> None:
+        """Called between steps; cheap unless a sample is due."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.last_sample < self.sample_every:
+            return
+        self.last_sample = now
+        try:
+            self.samples.append(self.others_running())
+        except (OSError, StopIteration, ValueError):
+            self.enabled = False
+            return
+        if now - self.window_start < self.interval:
+            return
+        self.window_start = now
+        import torch
+
+        busy = round(sum(self.samples) / len(self.samples))
+        self.samples.clear()
+        want = max(1, self.max_threads - busy)
+        if want == torch.get_num_threads():
+            self.pending = None
+        elif self.pending == want:  # two windows in a row: switch
+            torch.set_num_threads(want)
+            self.pending = None
+        else:
+            self.pending = want
 
 
 # -- the engine core process ------------------------------------------------------------------
@@ -158,7 +251,9 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
                                                   .kv_cache_manager.num_blocks)))
 
     output_queue: queue.Queue = queue.Queue()
-    proc = EngineCoreProc(engine_core, output_queue.put)
+    threads = engine_core_cpu_threads(config)
+    governor = CpuShareGovernor(threads) if threads is not None else None
+    proc = EngineCoreProc(engine_core, output_queue.put, governor)
     stop = threading.Event()
     reader = threading.Thread(target=_process_input_socket, args=(in_socket, proc.input_queue, stop),
                               daemon=True, name="EngineCoreInput")
