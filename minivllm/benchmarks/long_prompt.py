@@ -115,6 +115,11 @@ def measured_limits(n: int = 1024) -> dict:
     return {"matmul_gflops": gflops, "read_gb_per_s": read_bandwidth(cpu) / 1e9}
 
 
+def threads_text(machine: dict) -> str:
+    n = machine["torch_threads"]
+    return f"{n} torch thread{'' if n == 1 else 's'}"
+
+
 def limits_line(limits: dict) -> str:
     return (f"machine now: float32 matmul {limits['matmul_gflops']:.1f} GFLOP/s, torch.sum reads "
             f"{limits['read_gb_per_s']:.1f} GB/s")
@@ -148,6 +153,7 @@ def main(args) -> int:
         r["p99_ratio"] = r["tpot_p99_ms"] / r["control_tpot_p99_ms"]
         results[name] = r
         timelines[name] = chat_timeline(treated)
+        r["chat_timeline"] = timelines[name]
         print(f"{name:>12} {r['control_tpot_p50_ms']:10.1f}ms {r['control_tpot_p99_ms']:7.1f}ms "
               f"{r['tpot_p50_ms']:12.1f}ms {r['tpot_p99_ms']:7.1f}ms {r['p99_ratio']:9.2f}x "
               f"{r['long_prompt_ttft_s']:9.2f}s", flush=True)
@@ -180,7 +186,7 @@ def plot(path: str, results: dict, timelines: dict, common: dict, machine: dict)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[1.6, 1])
     for name, points in timelines.items():
         xs, ys = zip(*points) if points else ((), ())
-        left.plot(xs, ys, marker=".", markersize=3, linewidth=1.2,
+        left.plot(xs, ys, drawstyle="steps-pre", linewidth=1.2,  # each gap spans its interval
                   label=f"{name} (long TTFT {results[name]['long_prompt_ttft_s']:.1f} s)")
     left.axvline(0, color="grey", linestyle=":", linewidth=1)
     left.set_yscale("log")
@@ -199,12 +205,14 @@ def plot(path: str, results: dict, timelines: dict, common: dict, machine: dict)
         right.annotate(f"{results[n]['p99_ratio']:.2f}x", (i + 0.2, results[n]["tpot_p99_ms"]),
                        ha="center", va="bottom", fontsize=8)
     right.set_yscale("log")
+    top = max(max(r["tpot_p99_ms"], r["control_tpot_p99_ms"]) for r in results.values())
+    right.set_ylim(top=top * 6)  # room for the ratios and the legend above the bars
     right.set_xticks(list(x), names, rotation=20, fontsize=8)
     right.set_ylabel("chats' P99 TPOT until its first token (ms)")
     right.set_title("P99 against the control run", fontsize=10)
     right.legend(fontsize=8)
     fig.suptitle(f"minivllm bench long-prompt — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}; "
+                 f"{threads_text(machine)}, torch {machine['torch']}; "
                  f"{limits_line(machine)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -13,7 +13,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, write_json
-from minivllm.benchmarks.long_prompt import limits_line, measured_limits
+from minivllm.benchmarks.long_prompt import limits_line, measured_limits, threads_text
 from minivllm.utils import cdiv
 
 
@@ -140,7 +140,7 @@ def plot(path: str, on: dict, off: dict, expected: int, args, machine: dict) -> 
                     "the peak)", fontsize=10)
     right.legend(fontsize=8)
     fig.suptitle(f"minivllm bench shared-prefix — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{machine['torch_threads']} torch threads, torch {machine['torch']}; "
+                 f"{threads_text(machine)}, torch {machine['torch']}; "
                  f"{limits_line(machine)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
