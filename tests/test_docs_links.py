@@ -66,3 +66,8 @@ def test_every_relative_link_and_picture_resolves(page):
         elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {os.path.relpath(dest, ROOT)}")
     assert not broken, f"{os.path.relpath(page, ROOT)}: " + "; ".join(broken)
+
+
+def test_readme_shows_a_picture():
+    pictures = [t for t in links(PAGES[0]) if t.endswith(".png")]
+    assert pictures, "README shows no picture"
