@@ -125,6 +125,54 @@ def _pct(x: float | None, peak: float | None) -> str:
     return f"{100 * x / peak:.0f}%" if x and peak else "-"
 
 
+def _in_forked_process(fn, log_path: str, env: dict | None = None, wait: bool = True):
+    """Run ``fn()`` in a forked process of its own session, output into ``log_path``: its exit
+    code (``wait``) or a ``subprocess.Popen``-like handle. Quick mode runs pytest and the server
+    this way: the fork has torch and transformers imported already."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            os.chdir(ROOT)
+            if env:
+                os.environ.update(env)
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = int(fn() or 0)
+        except BaseException:  # noqa: BLE001 - the log says what
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    handle = _Forked(pid)
+    return handle.wait() if wait else handle
+
+
+class _Forked:
+    """The few ``subprocess.Popen`` methods phase_serve uses, for a forked process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        start = time.monotonic()
+        while self.poll() is None:
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -308,8 +356,11 @@ def phase_tests(ctx: Context) -> dict:
            "-p", "no:cacheprovider", "--junitxml", xml, "tests/test_gpu.py"]
     # no third-party plugins (the GPU machine has none; here they only cost start-up time)
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if _cuda():  # a fresh process: this one must not have touched CUDA before the tests do
+        with open(log, "w") as f:
+            rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    else:  # quick: the same pytest command in this forked process (torch is imported already)
+        rc = _in_forked_process(lambda: __import__("pytest").main(cmd[3:]), log, env)
     counts = {}
     try:
         import xml.etree.ElementTree as ET
@@ -516,9 +567,9 @@ def phase_e2e(ctx: Context) -> dict:
         runs = {}
         for backend in ("triton", "torch"):
             extra = dict(attention_backend=backend, dtype="float32")
-            extra["custom_ops"] = "all" if backend == "triton" else "none"
-            if not cuda and backend == "triton":
-                extra["enforce_eager"] = True
+            # the fused elementwise kernels too on a GPU; in quick mode the attention kernels
+            # alone (each interpreted launch costs tens of ms; the kernels phase checks the rest)
+            extra["custom_ops"] = "all" if backend == "triton" and cuda else "none"
             llm = LLM(path, **ctx.engine_kwargs(**extra))
             runs[backend] = _engine_tokens(llm, prompts, new)
             del llm
@@ -587,7 +638,7 @@ def phase_cuda_graphs(ctx: Context) -> dict:
     for name in ("graphs", "eager"):
         extra = {"dtype": "float32", "enforce_eager": name == "eager" or not cuda}
         if not cuda:
-            extra.update(attention_backend="triton", custom_ops="all")
+            extra.update(attention_backend="triton", custom_ops="none")
         llm = LLM(small, **ctx.engine_kwargs(**extra))
         runner = llm.llm_engine.engine_core.engine_core.model_runner
         if not cuda and name == "graphs":
@@ -687,13 +738,19 @@ def phase_serve(ctx: Context) -> dict:
            "--host", "127.0.0.1", "--max-model-len", "1024" if cuda else "256"]
     if cuda:  # 11 CUDA graphs (1 ... 64) instead of 35: start-up fits the phase's time
         cmd += ["--max-num-seqs", "64"]
-    else:
-        cmd += ["--max-num-seqs", "4", "--num-kv-blocks", "64", "--block-size", "8"]
+    else:  # quick: the engine core in the server's process (one interpreter start fewer)
+        cmd += ["--max-num-seqs", "4", "--num-kv-blocks", "64", "--block-size", "8",
+                "--no-multiprocess"]
     url = f"http://127.0.0.1:{port}"
     details = {"command": " ".join(cmd[1:])}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    if cuda:  # its own interpreter: this process must stay clear of CUDA
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+    else:  # quick: the same command line in a fork of this process (imports done already)
+        from minivllm.entrypoints.cli import main as cli_main
+
+        server = _in_forked_process(lambda: cli_main(cmd[3:]), log_path, wait=False)
     try:
         t0 = time.perf_counter()
         while True:
