@@ -743,13 +743,13 @@ def phase_serve(ctx: Context) -> dict:
                 "--no-multiprocess"]
     url = f"http://127.0.0.1:{port}"
     details = {"command": " ".join(cmd[1:])}
+    from minivllm.entrypoints.cli import main as cli_main
+
     if cuda:  # its own interpreter: this process must stay clear of CUDA
         with open(log_path, "w") as log:
             server = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
     else:  # quick: the same command line in a fork of this process (imports done already)
-        from minivllm.entrypoints.cli import main as cli_main
-
         server = _in_forked_process(lambda: cli_main(cmd[3:]), log_path, wait=False)
     try:
         t0 = time.perf_counter()
@@ -780,8 +780,6 @@ def phase_serve(ctx: Context) -> dict:
                              "text_chars": len(text)}
         bench_json = os.path.join(ctx.scratch, "bench-serve.json")
         n = 64 if cuda else 4
-        from minivllm.entrypoints.cli import main as cli_main
-
         details["bench_exit_code"] = cli_main([
             "bench", "serve", "--base-url", url, "--num-prompts", str(n),
             "--random-input-len", "256" if cuda else "16",
