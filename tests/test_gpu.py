@@ -177,3 +177,44 @@ def test_bf16_engine_with_graphs_runs(gpu_models):
     llm, tokens, _ = _gpu_run(gpu_models["qwen3"], dtype="bfloat16")
     assert [len(t) for t in tokens] == [6, 6, 3, 6, 5]
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+
+
+def test_long_chunked_prompt_same_tokens_with_a_sync_after_every_step(gpu_models):
+    """The pinned-buffer fence's probe: a prompt of 15 chunks (14 steps that sample nothing, so
+    nothing syncs them) gives the same tokens as with a device sync after every step."""
+    import random
+
+    from minivllm import LLM, SamplingParams
+    from tests.test_triton_backend import _runner
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 30000) for _ in range(1800)]
+    tokens = []
+    for sync in (False, True):
+        llm = LLM(gpu_models["qwen3"], skip_tokenizer_init=True, show_progress=False,
+                  device="cuda", dtype="float32", max_num_batched_tokens=128, max_num_seqs=4,
+                  max_model_len=2048, num_kv_blocks=160, block_size=16)
+        runner = _runner(llm)
+        if sync:
+            original = runner.execute_model
+
+            def execute_model(so, original=original):
+                out = original(so)
+                torch.cuda.synchronize()
+                return out
+
+            runner.execute_model = execute_model
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        tokens.append(out[0].outputs[0].token_ids)
+        del llm, runner
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+def test_default_dtype_follows_the_device(gpu_models):
+    from minivllm import LLM
+
+    llm = LLM(gpu_models["llama"], skip_tokenizer_init=True, show_progress=False,
+              num_kv_blocks=64, block_size=8, max_model_len=256)
+    expected = torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16
+    assert llm.llm_engine.config.model_config.dtype == expected  # the checkpoint is float32
