@@ -90,12 +90,13 @@ def _sync() -> None:
 
 
 def _free() -> None:
+    """Give the GPU memory of what was just deleted back (a CPU needs nothing done)."""
     import gc
 
     import torch
 
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
