@@ -218,6 +218,12 @@ CHEATS = [
         def tune(evaluate, targets):
             return _reference_choice(evaluate)
         """, "_reference_choice"),
+    # 11.2: an engine assembled from the package's parts
+    ("11.2", "check_own_engine", ("MySampler", "MyScheduler", "MyBlockPool"), """
+        from minivllm.core.block_pool import BlockPool as MyBlockPool
+        from minivllm.core.scheduler import Scheduler as MyScheduler
+        from minivllm.sample.sampler import Sampler as MySampler
+        """, "minivllm.sample.sampler.Sampler"),
     # 12.x
     ("12.1", "check_row_parallel_linear", "RowParallelLinear", """
         from minivllm.model import parallel_layers
@@ -252,8 +258,8 @@ def test_a_cheat_fails_naming_what_it_reached(exercise, checker, names, source, 
 def test_every_exercise_outside_chapter_09_has_a_cheat():
     graded = {c[0] for c in CHEATS}
     assert graded >= {"1.1", "1.2", "1.3", "2.1", "2.2", "3.1", "3.2", "4.1", "5.1", "5.2", "6.1",
-                      "6.2", "7.1", "7.2", "8.1", "8.2", "10.1", "10.2", "10.3", "11.1", "12.1",
-                      "12.2"}
+                      "6.2", "7.1", "7.2", "8.1", "8.2", "10.1", "10.2", "10.3", "11.1", "11.2",
+                      "12.1", "12.2"}
 
 
 def test_a_cheat_that_catches_the_refusal_still_fails():

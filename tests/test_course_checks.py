@@ -998,3 +998,20 @@ def test_block_hash_chain_that_returns_nothing_fails():
 
     _fails(checks.check_block_hashes, _blake2_block, "returned None instead of request.block_hashes",
            update_block_hashes=returns_none)
+
+
+# -- 11.2 an engine of the learner's own components ------------------------------------------------
+
+def test_an_engine_of_the_package_components_is_refused():
+    for classes in ((Sampler, _V1, _OrderedDictPool), (_variant(), Scheduler, _OrderedDictPool),
+                    (_variant(), _V1, type("Pool", (BlockPool,), {}))):
+        _fails(checks.check_own_engine, *classes[:1], "Exercise 11.2",
+               "the package's own answer", error=checks.Delegated,
+               scheduler_cls=classes[1], block_pool_cls=classes[2])
+
+
+@pytest.mark.slow
+def test_an_engine_with_a_shared_generator_sampler_fails_on_the_seeded_request():
+    """(That an engine of correct components passes, solutions/11 shows under nbval.)"""
+    _fails(checks.check_own_engine, _variant(use_own_generators=False), "Exercise 11.2",
+           "the seeded request", scheduler_cls=_V1, block_pool_cls=_OrderedDictPool)

@@ -3,11 +3,15 @@
 Each ``check_*`` takes the learner's function or class, compares it with the package's reference
 on seeded random cases, then plugs it into the real model or engine. It prints one line when the
 component passes and raises ``CheckFailed`` (an AssertionError) naming what was expected and
-what came back when it does not.
+what came back when it does not. Every checker goes through one harness
+(``minivllm.course.grading.Exercise``): a component that is, or reaches, the package's own answer
+raises ``Delegated`` (a ``CheckFailed``) naming the route. 5.2 and 11.1 draw their settings when
+they grade; 11.2 grades an engine assembled from the learner's own sampler, scheduler and block
+pool against the package's engine.
 """
 
 from minivllm.course.checks.allocation import check_allocate_slots
-from minivllm.course.checks.capstone import check_goodput_tuner
+from minivllm.course.checks.capstone import check_goodput_tuner, check_own_engine
 from minivllm.course.checks.common import CheckFailed, Delegated
 from minivllm.course.checks.detokenizer import check_detokenizer
 from minivllm.course.checks.engine_core import check_busy_loop
@@ -60,6 +64,7 @@ __all__ = [
     "check_graph_runner",
     "check_capture_sizes",
     "check_goodput_tuner",
+    "check_own_engine",
     "check_row_parallel_linear",
     "check_qkv_sharding",
 ]

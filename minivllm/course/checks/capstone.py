@@ -20,6 +20,7 @@ which target it misses at the next rate up, and by how much, never which choice 
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 from minivllm.course.capstone import (
@@ -147,3 +148,79 @@ def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -
 
 
 __all__ = ["check_goodput_tuner", "draw_targets", "MAX_EVALUATIONS", "GOODPUT_RATES"]
+
+
+# -- Exercise 11.2: your own engine, end to end -------------------------------------------------
+
+OWN_ENGINE_ANSWER = (
+    "minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
+    "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
+    "minivllm.core.scheduler:Scheduler.schedule", "minivllm.core.scheduler:Scheduler._try_admit",
+    "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
+    "minivllm.core.scheduler:Scheduler._preempt", "minivllm.core.scheduler_v0:PhaseSeparatedScheduler",
+    "minivllm.core.block_pool:BlockPool")
+OWN_ENGINE_CONVENTION = (
+    "Expected: LLM(model, sampler_cls=your sampler, scheduler_cls=your scheduler, "
+    "block_pool_cls=your block pool) serves the workload: every greedy request gives the "
+    "package's engine's tokens, a seeded request the same tokens in the busy engine as alone, "
+    "it preempts when its KV blocks run out and it reuses cached prefixes.")
+# an engine small enough that the workload's requests do not all fit at once: preemption
+OWN_ENGINE_ARGS = dict(device="cpu", block_size=8, num_kv_blocks=16, max_model_len=64,
+                       max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=True)
+
+
+def _serve(classes: dict):
+    """(outputs of the workload, preemptions, cached prompt tokens, the seeded request served
+    alone afterwards) on a fresh engine."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.course.checks.common import ENGINE_PROMPTS, check_model_path
+    from minivllm.testing import engine_core
+
+    llm = LLM(check_model_path(), show_progress=False, **OWN_ENGINE_ARGS, **classes)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+    prompts = ENGINE_PROMPTS + ENGINE_PROMPTS[:2]  # repeats: prefix-cache hits
+    outs = llm.generate(prompts, [seeded] + [greedy] * (len(prompts) - 1), use_tqdm=False)
+    preempted = engine_core(llm).scheduler.num_preemptions
+    alone = llm.generate(ENGINE_PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    return ([o.outputs[0].token_ids for o in outs], preempted,
+            sum(o.num_cached_tokens for o in outs), alone)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_engine_run():
+    return _serve({})
+
+
+def check_own_engine(sampler_cls, scheduler_cls, block_pool_cls, exercise: str = "11.2") -> None:
+    """An engine assembled from the learner's sampler (2.1), scheduler (5.1) and block pool (6.2)
+    serves a workload end to end; graded by behaviour against the package's engine."""
+    from minivllm.course.checks.common import check_engine
+
+    ex = Exercise(exercise, OWN_ENGINE_CONVENTION, OWN_ENGINE_ANSWER,
+                  allowed="the components you wrote in exercises 2.1, 5.1 and 6.2",
+                  required=("schedule",))
+    classes = dict(sampler_cls=ex.take(sampler_cls, "sampler"),
+                   scheduler_cls=ex.take(scheduler_cls, "scheduler"),
+                   block_pool_cls=ex.take(block_pool_cls, "block pool"))
+    got, preempted, cached, alone = _serve(classes)  # an unsolved part raises here, first
+    want, ref_preempted, ref_cached, _ = _reference_engine_run()
+    tok = check_engine().get_tokenizer()
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i and list(g) != list(w):
+            ex.fail(f"request {i} (greedy) generated {tok.decode(g)!r} in your engine, "
+                    f"{tok.decode(w)!r} in the package's.")
+    if list(alone) != list(got[0]):
+        ex.fail(f"the seeded request generated {tok.decode(got[0])!r} among the others and "
+                f"{tok.decode(alone)!r} alone: a seeded request must draw only from its own "
+                "generator.")
+    if ref_preempted and not preempted:
+        ex.fail(f"the package's engine preempted {ref_preempted} times on this workload, yours "
+                "never: with too few KV blocks a request must give its blocks back.")
+    if ref_cached and cached < ref_cached:
+        ex.fail(f"your engine served {cached} prompt tokens from the prefix cache, the package's "
+                f"{ref_cached}: repeated prompts must find their cached blocks.")
+    ex.passed(f"an engine of your sampler, scheduler and block pool served {len(got)} requests "
+              f"end to end: the package's greedy tokens, a seeded request independent of its "
+              f"batch, {preempted} preemption(s) and {cached} prompt tokens from the prefix "
+              f"cache (the package's engine: {ref_preempted} and {ref_cached}).")
