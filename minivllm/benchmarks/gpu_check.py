@@ -72,7 +72,8 @@ TINY_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 AVOID_IDS = 3  # prompts use ids >= 3: never pad (0), bos (1) or eos (2)
 # a greedy divergence is a near-tie when the reference's top-2 logits differ by less than this
 NEAR_TIE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.05}
-WHEEL_DIR = os.path.join(ROOT, ".whl")
+# tools/gpu_wheels.sh's folder (the same WHEEL_DIR variable as the scripts, relative to the root)
+WHEEL_DIR = os.path.join(ROOT, os.environ.get("WHEEL_DIR") or ".whl")
 
 
 # -- small helpers ---------------------------------------------------------------------------------
