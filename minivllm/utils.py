@@ -84,3 +84,78 @@ def owner_finalizer(owner, release):
     at_exit = multiprocessing.util.Finalize(None, release, exitpriority=10)  # runs once
     weakref.finalize(owner, at_exit)
     return at_exit
+
+
+# -- child processes reached over ZMQ: the engine-core client and the multiprocess executor ------
+
+# The liveness rule: a loop waiting for a child's message checks, whenever its socket stays
+# quiet this long, that the child is still alive (a message ends the wait at once, whatever this is)
+LIVENESS_POLL_MS = 100
+
+
+def make_socket(ctx, kind: int, address: str, bind: bool):
+    """A ZMQ socket of ``kind`` (``zmq.PUSH`` or ``zmq.PULL``) with no high-water mark (messages
+    queue up, none is dropped or blocks on a limit), bound to or connected to ``address``."""
+    import zmq
+
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+    (s.bind if bind else s.connect)(address)
+    return s
+
+
+def recv_while_alive(socket, procs, dead) -> bytes:
+    """The next message on ``socket``. While none comes, each of ``procs`` is checked every
+    ``LIVENESS_POLL_MS``; the first found dead raises ``dead(proc)``."""
+    while not socket.poll(LIVENESS_POLL_MS):
+        for proc in procs:
+            if not proc.is_alive():
+                raise dead(proc)
+    return socket.recv()
+
+
+class ProcessResources:
+    """What the owner of child processes must release even if it is never shut down: its ZMQ
+    context and sockets, the temporary folder of their IPC addresses, and the children. Held by
+    an ``owner_finalizer``; calling it releases everything (the children get SIGTERM)."""
+
+    def __init__(self, prefix: str = "minivllm-") -> None:
+        import tempfile
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.tmpdir = tempfile.mkdtemp(prefix=prefix)
+        self.procs: list = []
+        self.sockets: list = []
+        self.shutting_down = False
+
+    def address(self, name: str) -> str:
+        return f"ipc://{self.tmpdir}/{name}"
+
+    def bind(self, kind: int, name: str):
+        """A socket of ``kind`` bound to ``address(name)`` for a child to connect to."""
+        s = make_socket(self.ctx, kind, self.address(name), bind=True)
+        self.sockets.append(s)
+        return s
+
+    def spawn(self, target, args: tuple, name: str):
+        """Start ``target(*args)`` in a spawned daemonic process (no fork: torch and threads are
+        live in the parent) that these resources stop."""
+        import multiprocessing
+
+        proc = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name,
+                                                            daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def __call__(self) -> None:
+        import shutil
+
+        self.shutting_down = True
+        stop_processes(self.procs)
+        for s in self.sockets:
+            s.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)

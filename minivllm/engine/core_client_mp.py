@@ -8,17 +8,16 @@ The front end binds two IPC sockets and spawns the core process, which connects 
 Messages are msgpack (``serial.py``). The front end owns the process: it stops it on
 shutdown, when the client is garbage-collected and at interpreter exit (``owner_finalizer``),
 and the core exits by itself when the front end dies. When the core dies, every receive loop
-here notices within ``POLL_MS`` (it checks the process whenever the socket stays quiet) and
-fails what is in flight with ``EngineDeadError``.
+here notices within ``POLL_MS`` (it checks the process whenever the socket stays quiet: the
+liveness rule of ``minivllm.utils``, which the multiprocess executor's loops follow too) and
+fails what is in flight with ``EngineDeadError``. The sockets, the spawn and the resources to
+release are ``minivllm.utils``' helpers, shared with that executor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
-import shutil
-import tempfile
 import threading
 import traceback
 from collections import deque
@@ -38,57 +37,22 @@ from minivllm.engine.core_client import AsyncClientBase
 from minivllm.engine.core_proc import run_engine_core
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType
-from minivllm.utils import owner_finalizer, stop_processes
+from minivllm.utils import LIVENESS_POLL_MS, ProcessResources, owner_finalizer, recv_while_alive
 
-POLL_MS = 100  # how often a quiet receive loop checks that the core process is alive
-
-
-class _BackgroundResources:
-    """What must be released even if the client is never shut down (held by a finalizer)."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.tmpdir = tempfile.mkdtemp(prefix="minivllm-")
-        self.proc: multiprocessing.Process | None = None
-        self.sockets: list = []
-        self.shutting_down = False
-
-    def __call__(self) -> None:
-        self.shutting_down = True
-        if self.proc is not None:
-            stop_processes([self.proc])  # SIGTERM: the core leaves its loop and exits
-        for socket in self.sockets:
-            socket.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+POLL_MS = LIVENESS_POLL_MS  # how often a quiet receive loop checks that the core process is alive
 
 
 class MPClient:
     """Spawn the core process, bind the sockets, wait until the model is loaded."""
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
-        self.resources = _BackgroundResources()
-        self._finalizer = owner_finalizer(self, self.resources)
-        ctx = self.resources.ctx
-        input_address = f"ipc://{self.resources.tmpdir}/input"
-        output_address = f"ipc://{self.resources.tmpdir}/output"
-        self.input_socket = ctx.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.bind(input_address)
-        self.output_socket = ctx.socket(zmq.PULL)
-        self.output_socket.setsockopt(zmq.RCVHWM, 0)
-        self.output_socket.bind(output_address)
-        self.resources.sockets += [self.input_socket, self.output_socket]
-
-        spawn = multiprocessing.get_context("spawn")  # no fork: torch and threads are live here
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(config, input_address, output_address, show_progress),
-            name="EngineCore",
-            daemon=True,
-        )
-        self.resources.proc = self.proc
-        self.proc.start()
+        self.resources = ProcessResources()
+        self._finalizer = owner_finalizer(self, self.resources)  # SIGTERM ends the core's loop
+        self.input_socket = self.resources.bind(zmq.PUSH, "input")
+        self.output_socket = self.resources.bind(zmq.PULL, "output")
+        self.proc = self.resources.spawn(
+            run_engine_core, (config, self.resources.address("input"),
+                              self.resources.address("output"), show_progress), "EngineCore")
         try:
             self.num_kv_blocks = self._wait_for_ready()
         except BaseException:
@@ -96,14 +60,13 @@ class MPClient:
             raise
 
     def _wait_for_ready(self) -> int:
-        while not self.output_socket.poll(POLL_MS):
-            if not self.proc.is_alive():
-                raise RuntimeError(
-                    f"the engine core process exited (code {self.proc.exitcode}) while starting; "
-                    "its error is printed above (a script that starts it needs the "
-                    "`if __name__ == \"__main__\":` guard: the process is spawned)"
-                )
-        ready = serial.decode_ready(self.output_socket.recv())
+        def died(proc) -> RuntimeError:
+            return RuntimeError(
+                f"the engine core process exited (code {proc.exitcode}) while starting; its "
+                "error is printed above (a script that starts it needs the "
+                "`if __name__ == \"__main__\":` guard: the process is spawned)")
+
+        ready = serial.decode_ready(recv_while_alive(self.output_socket, [self.proc], died))
         if not ready.ok:
             raise (ValueError if ready.error_is_value_error else RuntimeError)(ready.error)
         return ready.num_kv_blocks
@@ -141,10 +104,8 @@ class SyncMPClient(MPClient):
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     def _recv(self) -> EngineCoreOutputs:
-        while not self.output_socket.poll(POLL_MS):
-            if not self.proc.is_alive():
-                raise EngineDeadError(self._dead_detail())
-        outputs = serial.decode_outputs(self.output_socket.recv())
+        outputs = serial.decode_outputs(recv_while_alive(
+            self.output_socket, [self.proc], lambda _: EngineDeadError(self._dead_detail())))
         if outputs.engine_error is not None:
             raise EngineDeadError(f"it raised\n{outputs.engine_error}")
         return outputs

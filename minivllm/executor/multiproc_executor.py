@@ -15,7 +15,9 @@ workers are alive; a dead worker (killed, crashed, out of memory) raises ``Worke
 the engine core, which takes the core-death path (``EngineDeadError`` for every request in
 flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
 The workers are stopped on shutdown, when the executor is garbage-collected or at exit
-(``owner_finalizer``), and each exits by itself if the process that spawned it dies.
+(``owner_finalizer``), and each exits by itself if the process that spawned it dies. The
+sockets, the spawn, the liveness rule and the resources to release are ``minivllm.utils``'
+helpers, shared with the engine-core client (``engine/core_client_mp.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 import traceback
@@ -35,9 +35,8 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.executor.abstract import Executor, WorkerDiedError
-from minivllm.utils import exit_with_parent, owner_finalizer, stop_processes
-
-POLL_MS = 20  # how often a waiting executor checks that its workers are alive
+from minivllm.utils import (ProcessResources, exit_with_parent, make_socket, owner_finalizer,
+                            recv_while_alive)
 
 
 def _free_port() -> int:
@@ -46,40 +45,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Resources:
-    """What must be released even if the executor is never shut down (held by a finalizer)."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.tmpdir = tempfile.mkdtemp(prefix="minivllm-tp-")
-        self.procs: list[multiprocessing.Process] = []
-        self.sockets: list = []
-
-    def __call__(self) -> None:
-        stop_processes(self.procs)
-        for s in self.sockets:
-            s.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         super().__init__(config, show_progress)
         self.world_size = config.parallel_config.tensor_parallel_size
-        self.resources = _Resources()
+        self.resources = ProcessResources(prefix="minivllm-tp-")
         self._finalizer = owner_finalizer(self, self.resources)
-        ctx, tmp = self.resources.ctx, self.resources.tmpdir
-        self.broadcast_sockets = []
-        for rank in range(self.world_size):
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.bind(f"ipc://{tmp}/step{rank}")
-            self.broadcast_sockets.append(s)
-        self.result_socket = ctx.socket(zmq.PULL)
-        self.result_socket.setsockopt(zmq.RCVHWM, 0)
-        self.result_socket.bind(f"ipc://{tmp}/result")
-        self.resources.sockets += [*self.broadcast_sockets, self.result_socket]
+        self.broadcast_sockets = [self.resources.bind(zmq.PUSH, f"step{rank}")
+                                  for rank in range(self.world_size)]
+        self.result_socket = self.resources.bind(zmq.PULL, "result")
         self.broadcast_stats = {"steps": 0, "bytes": 0, "max_bytes": 0, "seconds": 0.0}
 
         # the engine core may itself run in a daemonic process, which multiprocessing forbids
@@ -90,15 +64,11 @@ class MultiprocExecutor(Executor):
             current.daemon = False
         dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                     "WORLD_SIZE": str(self.world_size)}
-        spawn = multiprocessing.get_context("spawn")  # no fork: torch and threads are live here
         for rank in range(self.world_size):
             env = {**dist_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            proc = spawn.Process(
-                target=run_worker,
-                args=(config, env, f"ipc://{tmp}/step{rank}", f"ipc://{tmp}/result", show_progress),
-                name=f"TPWorker-{rank}", daemon=True)
-            proc.start()
-            self.resources.procs.append(proc)
+            self.resources.spawn(run_worker, (config, env, self.resources.address(f"step{rank}"),
+                                              self.resources.address("result"), show_progress),
+                                 f"TPWorker-{rank}")
         self.workers = self.resources.procs
         try:
             self._wait_for_ready()
@@ -115,15 +85,16 @@ class MultiprocExecutor(Executor):
             ready.add(rank)
 
     def _recv(self):
-        while not self.result_socket.poll(POLL_MS):
-            self.check_health()
-        return pickle.loads(self.result_socket.recv())
+        return pickle.loads(recv_while_alive(self.result_socket, self.workers, self._died))
+
+    def _died(self, proc) -> WorkerDiedError:
+        return WorkerDiedError(f"tensor-parallel worker {self.workers.index(proc)} (pid "
+                               f"{proc.pid}) exited unexpectedly (exit code {proc.exitcode})")
 
     def check_health(self) -> None:
-        for rank, proc in enumerate(self.workers):
+        for proc in self.workers:
             if not proc.is_alive():
-                raise WorkerDiedError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited "
-                                   f"unexpectedly (exit code {proc.exitcode})")
+                raise self._died(proc)
 
     def broadcast(self, message) -> int:
         """Pickle ``message`` once and send the bytes to every worker; returns their size."""
@@ -190,12 +161,8 @@ def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_a
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
     ctx = zmq.Context()
-    steps = ctx.socket(zmq.PULL)
-    steps.setsockopt(zmq.RCVHWM, 0)
-    steps.connect(step_address)
-    results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.SNDHWM, 0)
-    results.connect(result_address)
+    steps = make_socket(ctx, zmq.PULL, step_address, bind=False)
+    results = make_socket(ctx, zmq.PUSH, result_address, bind=False)
 
     def reply(status: str, payload) -> None:
         results.send(pickle.dumps((rank, status, payload), protocol=pickle.HIGHEST_PROTOCOL))

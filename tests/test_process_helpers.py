@@ -1,0 +1,42 @@
+"""The process layer the engine-core client and the multiprocess executor share
+(``minivllm.utils``): sockets that queue without a limit, a receive that notices a dead child,
+and resources released once, whatever the child did."""
+
+import os
+import time
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from minivllm.utils import ProcessResources, make_socket, recv_while_alive  # noqa: E402
+
+
+def test_a_message_arrives_and_a_dead_child_is_noticed():
+    resources = ProcessResources()
+    try:
+        pull = resources.bind(zmq.PULL, "out")
+        push = make_socket(resources.ctx, zmq.PUSH, resources.address("out"), bind=False)
+        resources.sockets.append(push)
+        assert pull.getsockopt(zmq.RCVHWM) == 0 and push.getsockopt(zmq.SNDHWM) == 0
+        for i in range(3):  # queued, not dropped
+            push.send(b"m%d" % i)
+        assert [recv_while_alive(pull, [], RuntimeError) for _ in range(3)] == [b"m0", b"m1",
+                                                                                b"m2"]
+        child = resources.spawn(time.sleep, (0,), "Sleeper")  # exits at once, sends nothing
+        start = time.monotonic()
+        with pytest.raises(ChildProcessError, match="Sleeper"):
+            recv_while_alive(pull, [child], lambda p: ChildProcessError(p.name))
+        assert time.monotonic() - start < 30 and not child.is_alive()
+    finally:
+        resources()
+    assert resources.shutting_down and not os.path.exists(resources.tmpdir)
+    assert all(s.closed for s in resources.sockets)
+
+
+def test_release_stops_a_child_that_is_still_running():
+    resources = ProcessResources()
+    child = resources.spawn(time.sleep, (60,), "LongSleeper")
+    assert child.is_alive() and child.daemon
+    resources()
+    assert not child.is_alive() and child.exitcode is not None
