@@ -64,6 +64,30 @@ def median_time(fn, repeats: int, device) -> float:
     return percentile(times, 50)
 
 
+def event_median_time(fn, iters: int, device) -> float:
+    """Median seconds per call of ``fn`` after one warm-up call: timed with CUDA events on a
+    CUDA device (what the GPU spent, without host-side gaps), with the wall clock elsewhere."""
+    import statistics
+
+    import torch
+
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def host_speed(repeats: int = 7) -> dict:
     """How fast this machine runs host-side work now, timed in the same run as the figures it
     qualifies: ``python_ms``, the median time of a fixed pure-Python loop (``_bookkeeping``), and

@@ -106,21 +106,10 @@ def _median_seconds(fn, iters: int) -> float:
     """Median seconds per call after one warm-up call (CUDA events on a GPU)."""
     import torch
 
-    fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    from minivllm.benchmarks.common import event_median_time
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return event_median_time(fn, iters, device)
 
 
 def _pct(x: float | None, peak: float | None) -> str:

@@ -16,11 +16,10 @@ means the Triton interpreter: it proves the benchmark runs, its figures mean not
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
-from minivllm.benchmarks.common import machine_info, write_json
+from minivllm.benchmarks.common import event_median_time, machine_info, write_json
 from minivllm.utils import cdiv
 
 H200_HBM_BYTES_PER_S = 4.8e12  # the H200 datasheet: peak HBM3e bandwidth
@@ -42,21 +41,7 @@ def add_parser(subparsers, add_engine_args) -> None:
 
 def _timer(device: torch.device, fn, iters: int) -> float:
     """Median seconds per call, after a warm-up call (which also compiles the kernel)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return event_median_time(fn, iters, device)
 
 
 def _scattered_cache(num_seqs, seq_len, s, device, gen):
