@@ -125,6 +125,20 @@ def limits_line(limits: dict) -> str:
             f"{limits['read_gb_per_s']:.1f} GB/s")
 
 
+
+def save_plot(fig, path: str, bench: str, machine: dict) -> None:
+    """Title a benchmark's figure with the machine it ran on and its measured limits, save it as
+    a PNG at ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(f"minivllm bench {bench} — {machine['date']}, {machine['cpu_count']} CPUs, "
+                 f"{threads_text(machine)}, torch {machine['torch']}; "
+                 f"{limits_line(machine)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
 def main(args) -> int:
     common = dict(num_chats=args.num_chats, chat_prompt_len=args.chat_prompt_len,
                   long_prompt_len=args.long_prompt_len, steady_steps=args.steady_steps,
@@ -211,10 +225,4 @@ def plot(path: str, results: dict, timelines: dict, common: dict, machine: dict)
     right.set_ylabel("chats' P99 TPOT until its first token (ms)")
     right.set_title("P99 against the control run", fontsize=10)
     right.legend(fontsize=8)
-    fig.suptitle(f"minivllm bench long-prompt — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{threads_text(machine)}, torch {machine['torch']}; "
-                 f"{limits_line(machine)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_plot(fig, path, "long-prompt", machine)

@@ -13,7 +13,7 @@ import random
 import time
 
 from minivllm.benchmarks.common import machine_info, write_json
-from minivllm.benchmarks.long_prompt import limits_line, measured_limits, threads_text
+from minivllm.benchmarks.long_prompt import limits_line, measured_limits, save_plot
 from minivllm.utils import cdiv
 
 
@@ -139,10 +139,4 @@ def plot(path: str, on: dict, off: dict, expected: int, args, machine: dict) -> 
     right.set_title(f"KV blocks ({off['peak_kv_blocks_used']} vs {on['peak_kv_blocks_used']} at "
                     "the peak)", fontsize=10)
     right.legend(fontsize=8)
-    fig.suptitle(f"minivllm bench shared-prefix — {machine['date']}, {machine['cpu_count']} CPUs, "
-                 f"{threads_text(machine)}, torch {machine['torch']}; "
-                 f"{limits_line(machine)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_plot(fig, path, "shared-prefix", machine)
