@@ -155,13 +155,18 @@ def _h(block_hash) -> str:
     return "None" if block_hash is None else bytes(block_hash).hex()[:8]
 
 
+def _block_tables(manager) -> dict[str, list[int]]:
+    """request id -> the ids of the blocks it holds, for every request the manager keeps."""
+    return {rid: manager.get_block_ids(rid) for rid in manager.req_to_blocks}
+
+
 def kv_cache_violations(scheduler) -> list[str]:
     """Every invariant the KV cache behind ``scheduler`` breaks right now (empty: none)."""
     manager = scheduler.kv_cache_manager  # the package's KVCacheManager (no exercise replaces it)
     pool = manager.block_pool  # the package's BlockPool, or exercise 6.2's
     problems = []
     running = {r.request_id for r in scheduler.running}
-    tables = manager.block_ids_by_request()
+    tables = _block_tables(manager)
     holding = {rid for rid, ids in tables.items() if ids}
     if holding - running:
         problems.append(f"requests {sorted(holding - running)} hold KV blocks but are not running")
@@ -173,7 +178,7 @@ def kv_cache_violations(scheduler) -> list[str]:
                             f"{holders.get(block.block_id, 0)} live requests hold it")
 
     # read through the free queue itself: exercise 6.2's pool is given that attribute (a
-    # FreeKVCacheBlockQueue) but not the reference pool's free_block_ids() view
+    # FreeKVCacheBlockQueue)
     free = [b.block_id for b in pool.free_block_queue]
     twice = sorted(i for i, n in Counter(free).items() if n > 1)
     if twice:
@@ -228,7 +233,7 @@ def all_free_violations(manager) -> list[str]:
     problems = []
     if used:
         problems.append(f"every request finished, but {used} KV blocks are still in use")
-    tables = manager.block_ids_by_request()
+    tables = _block_tables(manager)
     if any(tables.values()):
         problems.append(f"every request finished, but {sorted(tables)} still hold blocks")
     return problems

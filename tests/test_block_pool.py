@@ -161,20 +161,16 @@ def test_two_requests_computing_one_prefix_both_serve_later_hits():
     assert n == 8 and not {x.block_id for x in blocks} & set(a_ids)
 
 
-def test_read_only_views_of_the_tables_and_the_free_queue():
-    """What chapters and graders read: block tables by request, the free queue head to tail."""
+def test_block_tables_and_the_free_queue_order():
+    """A request's table is a copy in order; freed blocks join the free queue's tail last first."""
     m = _manager(num_blocks=6, block_size=2)
     a, b = Request.from_prompt("a", [1, 2, 3]), Request.from_prompt("b", [7, 8, 9, 10, 11])
     m.allocate_slots(a, 3)
     m.allocate_slots(b, 5)
-    tables = m.block_ids_by_request()
-    assert tables == {"a": m.get_block_ids("a"), "b": m.get_block_ids("b")}
-    assert len(tables["a"]) == 2 and len(tables["b"]) == 3
-    tables["a"].clear()  # a copy: the manager's own table is untouched
+    assert len(m.get_block_ids("a")) == 2 and len(m.get_block_ids("b")) == 3
+    m.get_block_ids("a").clear()  # a copy: the manager's own table is untouched
     assert len(m.get_block_ids("a")) == 2
-    pool = m.block_pool
-    assert pool.free_block_ids() == [x.block_id for x in pool.free_block_queue]
     a_ids = m.get_block_ids("a")
     m.free(a)  # freed last first: they join the tail of the free queue in that order
-    assert pool.free_block_ids()[-2:] == list(reversed(a_ids))
-    assert m.block_ids_by_request() == {"b": m.get_block_ids("b")}
+    assert [x.block_id for x in m.block_pool.free_block_queue][-2:] == list(reversed(a_ids))
+    assert list(m.req_to_blocks) == ["b"] and m.get_block_ids("a") == []

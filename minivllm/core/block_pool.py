@@ -107,11 +107,6 @@ class BlockPool:
     def get_usage(self) -> float:
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def free_block_ids(self) -> list[int]:
-        """The free queue's block ids from its head (the next block ``get_new_blocks`` takes) to
-        its tail: a view for chapters and checks (it walks the whole queue)."""
-        return [b.block_id for b in self.free_block_queue]
-
     # -- allocation ------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the head of the free queue (least recently used first)."""

@@ -117,11 +117,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    def block_ids_by_request(self) -> dict[str, list[int]]:
-        """request id -> the ids of the blocks it holds, in order (its block table), for every
-        request the manager keeps blocks for. A fresh copy: a view for chapters and checks."""
-        return {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()}
-
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 

@@ -17,7 +17,7 @@ import dataclasses
 from contextlib import contextmanager
 
 from minivllm.core.builder import build_scheduler_from_config
-from minivllm.course.views import engine_core
+from minivllm.course.views import engine_core, replace_scheduler
 
 # what a swap may change: how requests are scheduled, never the model or the cache's layout
 SWAPPABLE = ("scheduler", "scheduler_cls", "kv_cache_manager_cls", "max_num_seqs",
@@ -51,7 +51,7 @@ def swapped_scheduler(llm, **overrides):
     if asked > built:
         raise ValueError(f"max_num_seqs={asked}: the engine was built for at most {built}")
     scheduler = build_scheduler_from_config(config, num_blocks)
-    own = core.replace_scheduler(scheduler)  # (scheduler, step trace, step count)
+    own = replace_scheduler(core, scheduler)  # (scheduler, step trace, step count)
     try:
         yield scheduler
     finally:
@@ -62,4 +62,4 @@ def swapped_scheduler(llm, **overrides):
         finally:
             # always put the engine's own scheduler back, even if a failing scheduler (a
             # learner's, mid-exercise) cannot even abort its requests
-            core.replace_scheduler(*own, force=True)
+            replace_scheduler(core, *own, force=True)

@@ -1,10 +1,14 @@
-"""Read-only views into a running engine, for chapters that open it up.
+"""Read-only views into a running engine, for chapters that open it up, and the scheduler swap.
 
 The engine core runs in the notebook's process (``LLM(...)`` without ``multiprocess=True``), so
-its scheduler, KV cache manager and model runner can be looked at directly between steps.
+its scheduler, KV cache manager and model runner can be looked at directly between steps. What
+the chapters read is assembled here from the engine's own API (``KVCacheManager.get_block_ids``,
+the block pool's ``blocks`` and ``free_block_queue``); the engine carries no view of its own.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 
 def engine_core(llm):
@@ -19,7 +23,8 @@ def engine_core(llm):
 def block_tables(llm) -> dict[str, list[int]]:
     """request id -> the ids of the KV blocks it holds, in order (its block table)."""
     manager = engine_core(llm).scheduler.kv_cache_manager
-    return {rid: ids for rid, ids in manager.block_ids_by_request().items() if ids}
+    tables = {rid: manager.get_block_ids(rid) for rid in manager.req_to_blocks}
+    return {rid: ids for rid, ids in tables.items() if ids}
 
 
 def running_requests(llm) -> list:
@@ -39,6 +44,33 @@ def kv_block_states(llm) -> dict:
     return {
         "ref_cnt": [b.ref_cnt for b in pool.blocks],
         "block_hash": [None if b.block_hash is None else b.block_hash.hex()[:8] for b in pool.blocks],
-        "free_order": pool.free_block_ids(),
+        "free_order": [b.block_id for b in pool.free_block_queue],
         "tables": block_tables(llm),
     }
+
+
+def replace_scheduler(core, scheduler, step_trace: deque | None = None, num_steps: int = 0,
+                      *, force: bool = False) -> tuple:
+    """Put ``scheduler`` in charge of ``core``'s next steps; return what it replaces.
+
+    Only between requests (none unfinished). Requests that ended but whose end the model runner
+    has not been told yet are handed to the new scheduler, which tells it on its first step.
+    The step trace and the step count start over (or take the given ones). Returns the old
+    scheduler, trace and step count, which a second call puts back (``course.swap`` runs one
+    loaded model under several schedulers this way).
+
+    ``force`` replaces even a scheduler that still holds requests (a learner's scheduler that
+    failed mid-run, whose requests the front end has aborted): they are dropped, and the runner
+    is told they finished, so no row of its persistent batch outlives them.
+    """
+    if not force and core.scheduler.has_unfinished_requests():
+        raise ValueError("the engine still has unfinished requests: finish or abort them first")
+    old = core.scheduler, core.step_trace, core.num_steps
+    scheduler.finished_req_ids |= old[0].finished_req_ids
+    if force:
+        scheduler.finished_req_ids |= set(getattr(old[0], "requests", {}))
+    old[0].finished_req_ids = set()
+    core.scheduler = scheduler
+    core.step_trace = step_trace if step_trace is not None else deque(maxlen=old[1].maxlen)
+    core.num_steps = num_steps
+    return old

@@ -53,33 +53,6 @@ class EngineCore:
         self.num_steps = 0
         self.step_trace: deque[dict] = deque(maxlen=config.trace_steps)
 
-    def replace_scheduler(self, scheduler: Scheduler, step_trace: deque | None = None,
-                          num_steps: int = 0, *, force: bool = False) -> tuple[Scheduler, deque, int]:
-        """Put ``scheduler`` in charge of the next steps; return what it replaces.
-
-        Only between requests (none unfinished). Requests that ended but whose end the model
-        runner has not been told yet are handed to the new scheduler, which tells it on its first
-        step. The step trace and the step count start over (or take the given ones). Returns the
-        old scheduler, trace and step count, which a second call puts back. The course uses this
-        to run one loaded model under several schedulers.
-
-        ``force`` replaces even a scheduler that still holds requests (a learner's scheduler that
-        failed mid-run, whose requests the front end has aborted): they are dropped, and the
-        runner is told they finished, so no row of its persistent batch outlives them.
-        """
-        if not force and self.scheduler.has_unfinished_requests():
-            raise ValueError("the engine still has unfinished requests: finish or abort them first")
-        old = self.scheduler, self.step_trace, self.num_steps
-        scheduler.finished_req_ids |= old[0].finished_req_ids
-        if force:
-            scheduler.finished_req_ids |= set(getattr(old[0], "requests", {}))
-        old[0].finished_req_ids = set()
-        self.scheduler = scheduler
-        self.step_trace = step_trace if step_trace is not None else deque(
-            maxlen=self.step_trace.maxlen)
-        self.num_steps = num_steps
-        return old
-
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(request))
 
@@ -148,6 +121,14 @@ class EngineCore:
         return {**self.scheduler.get_stats(), "num_steps": self.num_steps}
 
     def get_step_trace(self) -> list[dict]:
+        """The engine's iteration statistics: one dict per recent step (the last
+        ``trace_steps``; none with ``trace_steps=0``), oldest first. Each holds ``step`` (its
+        number), ``start_time`` and ``duration_s`` (wall clock, schedule to update),
+        ``token_budget``, ``num_scheduled_tokens``, ``scheduled`` ((request id, tokens,
+        "prefill" or "decode") per request), ``preempted`` (request ids), ``num_running``,
+        ``num_waiting`` and ``kv_blocks_used`` after the step. A public statistics API, as
+        vLLM's scheduler and iteration stats: benchmarks, tests and the chapters read it through
+        ``LLMEngine.get_step_trace`` / ``AsyncLLM.get_step_trace``."""
         return list(self.step_trace)
 
     def reset_prefix_cache(self) -> bool:
