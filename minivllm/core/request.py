@@ -46,6 +46,7 @@ class Request:
         self.sampling_params = core_request.sampling_params
         self.arrival_time = core_request.arrival_time
         self.cache_salt = core_request.cache_salt
+        self.priority = core_request.priority  # lower: served earlier (vLLM's convention)
         params = self.sampling_params
         self.eos_token_ids = set() if params.ignore_eos else set(core_request.eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids or [])

@@ -27,6 +27,9 @@ class EngineCoreRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.time)
     cache_salt: str | None = None
+    # vLLM's request priority: a lower value is served earlier (ties: earlier arrival). The
+    # package's schedulers are first-come-first-served and ignore it; a priority policy reads it
+    priority: int = 0
 
 
 @dataclass

@@ -1,0 +1,238 @@
+"""Design exercises graded by behaviour: 5.3 priority preemption, 7.2 overlap scheduling.
+
+Both specifications are goals. The grader draws a workload when it grades, drives an
+``EngineCore`` step by step with it (requests arriving between steps) and checks what can be
+observed against the package's engine on the same workload: the greedy tokens, the KV cache's
+invariants (``minivllm.testing``), and the exercise's own property, read from the engine's
+step statistics (``get_step_trace``) or from timestamps of an instrumented model runner. The
+learner's class comes in through the engine's public injection points: ``scheduler_cls``
+(5.3), or the ``EngineCore`` subclass the grader constructs (7.2).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from minivllm.course.grading import Exercise
+
+ENGINE = dict(device="cpu", block_size=8, max_num_seqs=3, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+
+
+def _core(core_cls=None, **overrides):
+    from minivllm.config import EngineArgs
+    from minivllm.course.checks.common import check_model_path
+    from minivllm.engine.core import EngineCore
+
+    config = EngineArgs(model=check_model_path(), **{**ENGINE, **overrides}).create_config()
+    return (core_cls or EngineCore)(config, show_progress=False)
+
+
+def _request(rid: str, rng: random.Random, arrival: float, prompt_len: int, max_tokens: int,
+             priority: int = 0):
+    from minivllm import SamplingParams
+    from minivllm.engine.messages import EngineCoreRequest
+
+    return EngineCoreRequest(rid, [rng.randrange(10, 1000) for _ in range(prompt_len)],
+                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                             arrival_time=arrival, priority=priority)
+
+
+def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> dict:
+    """Add each ``(step, request)`` of ``workload`` before that step, step until every request
+    finished; request id -> its tokens. ``on_step(step, outputs, arrived ids)`` after each."""
+    from minivllm.testing import all_free_violations
+
+    pending, tokens, arrived = sorted(workload, key=lambda w: w[0]), {}, []
+    step = 0
+    try:
+        while pending or core.has_unfinished_requests():
+            if step >= max_steps:
+                left = sorted(set(arrived) - {r for r, t in tokens.items() if t[1]})
+                ex.fail(f"after {max_steps} steps requests {left} have not finished: every "
+                        "request must finish (none may starve or be lost).")
+            while pending and pending[0][0] <= step:
+                request = pending.pop(0)[1]
+                core.add_request(request)
+                arrived.append(request.request_id)
+                tokens[request.request_id] = ([], False)
+            outputs = core.step()
+            for out in outputs:
+                got, _ = tokens[out.request_id]
+                tokens[out.request_id] = (got + list(out.new_token_ids), out.finished)
+            if on_step is not None:
+                on_step(step, outputs, arrived)
+            step += 1
+        problems = all_free_violations(core.scheduler.kv_cache_manager)
+        if problems:
+            ex.fail("KV blocks leak: " + "; ".join(problems) + ".")
+    finally:
+        core.shutdown()
+    return {rid: got for rid, (got, _) in tokens.items()}
+
+
+def _same_tokens(ex: Exercise, got: dict, want: dict, where: str) -> None:
+    for rid, expected in want.items():
+        ex.compare_lists(f"{where}, request {rid}'s greedy tokens", got.get(rid, []), expected)
+
+
+# -- 5.3 priority preemption ---------------------------------------------------------------------
+
+PRIORITY_CONVENTION = (
+    "Expected: a Scheduler subclass whose schedule() serves requests by request.priority (a lower "
+    "value first, then the earlier arrival_time): a request is never admitted, nor resumed, "
+    "while one that outranks it is waiting; when KV blocks run out it preempts the "
+    "lowest-ranked running request, never one that outranks a request keeping its blocks; every "
+    "request finishes with the package's greedy tokens and no KV block leaks.")
+PRIORITY_DRAWS = 3  # workloads per grading: one draw may not tell the victim rules apart
+PRIORITY_ANSWER = ("minivllm.core.scheduler:Scheduler.schedule",
+                   "minivllm.core.scheduler:Scheduler._allocate_or_preempt")
+
+
+def draw_priority_workload(rng: random.Random) -> list:
+    """Six background requests of drawn priorities 1-3 at step 0, then urgent ones (priority 0)
+    at drawn steps, over a KV cache too small for all: waiting and preemption are certain."""
+    work = [(0, _request(f"bg{i}", rng, float(i), rng.randrange(20, 41), rng.randrange(16, 29),
+                         rng.randrange(1, 4))) for i in range(6)]
+    for j, step in enumerate(sorted(rng.sample(range(2, 9), 2))):
+        work.append((step, _request(f"urgent{j}", rng, 10.0 + j, rng.randrange(8, 17),
+                                    rng.randrange(28, 41), 0)))
+    return work
+
+
+def check_priority_scheduler(scheduler_cls, exercise: str = "5.3", seed: int | None = None) -> None:
+    """The learner's scheduler, plugged in through ``EngineArgs.scheduler_cls``, serves a workload
+    drawn now (``seed``: the same draw again) by priority; graded by what the engine shows."""
+    ex = Exercise(exercise, PRIORITY_CONVENTION, PRIORITY_ANSWER, required=("schedule",),
+                  allowed="make_scheduler_output, record_admission, _preempt, _try_admit and the "
+                          "KV cache manager")
+    scheduler_cls = ex.take(scheduler_cls, "scheduler")
+    rng = random.Random(seed) if seed is not None else random.Random(random.SystemRandom().random())
+    preemptions = [_grade_priority(ex, scheduler_cls, draw_priority_workload(rng))
+                   for _ in range(PRIORITY_DRAWS)]
+    ex.passed(f"{PRIORITY_DRAWS} workloads drawn now (8 requests each, two urgent arrivals) were "
+              f"served by priority: admissions in rank order, {sum(preemptions)} preemptions, "
+              "each of the lowest-ranked request, the package's greedy tokens, no KV block leaked.")
+
+
+def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
+    from minivllm.testing import kv_cache_violations
+
+    rank = {r.request_id: (r.priority, r.arrival_time) for _, r in workload}
+    show = lambda rid: f"{rid} (priority {rank[rid][0]})"  # noqa: E731
+    engine = dict(num_kv_blocks=12, max_model_len=96)
+    want = _drive(ex, _core(**engine), workload, 400)
+    core = _core(scheduler_cls=scheduler_cls, **engine)
+    state = {"running": set(), "finished": set(), "steps": 0, "preempted": 0}
+
+    def on_step(step, outputs, arrived):
+        problems = kv_cache_violations(core.scheduler)
+        if problems:
+            ex.fail(f"after step {step}: " + "; ".join(problems) + ".")
+        running, done = state["running"], state["finished"]
+        trace = core.get_step_trace()
+        if trace and trace[-1]["step"] >= state["steps"]:
+            entry = trace[-1]
+            state["steps"] = entry["step"] + 1
+            waiting = set(arrived) - running - done
+            scheduled = {rid for rid, _, _ in entry["scheduled"]}
+            admitted = scheduled - running
+            for r in admitted:
+                outranking = [w for w in waiting - admitted if rank[w] < rank[r]]
+                if outranking:
+                    ex.fail(f"at step {step} you admitted {show(r)} while {show(outranking[0])} "
+                            "was waiting: the request that outranks it goes first.")
+            running |= admitted
+            for v in entry["preempted"]:
+                running.discard(v)
+                state["preempted"] += 1
+                lower = [r for r in running if rank[r] > rank[v]]
+                if lower:
+                    ex.fail(f"at step {step} you preempted {show(v)} while {show(lower[0])}, "
+                            "which it outranks, kept its KV blocks: preempt the lowest-ranked "
+                            "running request.")
+        for out in outputs:
+            if out.finished:
+                running.discard(out.request_id)
+                done.add(out.request_id)
+
+    got = _drive(ex, core, workload, 400, on_step)
+    _same_tokens(ex, got, want, "with your scheduler")
+    if not state["preempted"]:
+        ex.fail("the workload's KV cache cannot hold every request at once, but your scheduler "
+                "never preempted one (preempted requests must be reported to "
+                "make_scheduler_output).")
+    return state["preempted"]
+
+
+# -- 7.2 overlap scheduling ----------------------------------------------------------------------
+
+OVERLAP_CONVENTION = (
+    "Expected: an EngineCore subclass whose step() hands a step to the model and, while the model "
+    "runs it, schedules the next one (the scheduler is called while a model step is in flight); "
+    "step() returns the outputs of the steps that completed, every request ends with the "
+    "package's greedy tokens, and no KV block leaks.")
+OVERLAP_ANSWER = ("minivllm.engine.core:EngineCore.step",)
+MODEL_DELAY_S = 0.02  # the instrumented runner's extra time per step: a window to schedule in
+
+
+def _instrumented_classes():
+    """A model runner that takes ``MODEL_DELAY_S`` longer per step and a scheduler, both noting
+    when each call starts and ends (on one clock)."""
+    from minivllm.core.scheduler import Scheduler
+    from minivllm.worker.model_runner import ModelRunner
+
+    log = {"model": [], "schedule": []}
+    lock = threading.Lock()
+
+    class TimedModelRunner(ModelRunner):
+        def execute_model(self, scheduler_output):
+            start = time.perf_counter()
+            time.sleep(MODEL_DELAY_S)
+            out = super().execute_model(scheduler_output)
+            with lock:
+                log["model"].append((start, time.perf_counter()))
+            return out
+
+    class TimedScheduler(Scheduler):
+        def schedule(self):
+            start = time.perf_counter()
+            out = super().schedule()
+            with lock:
+                log["schedule"].append((start, time.perf_counter()))
+            return out
+
+    return TimedModelRunner, TimedScheduler, log
+
+
+def check_overlap_core(core_cls, exercise: str = "7.2", seed: int | None = None) -> None:
+    """The learner's ``EngineCore`` subclass serves a workload drawn now with a model runner that
+    notes its steps' times; graded on tokens, KV blocks and overlap."""
+    ex = Exercise(exercise, OVERLAP_CONVENTION, OVERLAP_ANSWER, required=("step",),
+                  allowed="the scheduler's and the executor's methods, and threads")
+    core_cls = ex.take(core_cls, "engine core")
+    rng = random.Random(seed) if seed is not None else random.Random(random.SystemRandom().random())
+    workload = [(rng.randrange(0, 9) if i else 0,
+                 _request(f"r{i}", rng, float(i), rng.randrange(24, 65), rng.randrange(4, 9)))
+                for i in range(6)]
+    engine = dict(num_kv_blocks=64, max_model_len=96, max_num_batched_tokens=16, max_num_seqs=4)
+    want = _drive(ex, _core(**engine), workload, 300)
+    runner_cls, scheduler_cls, log = _instrumented_classes()
+    core = _core(core_cls, model_runner_cls=runner_cls, scheduler_cls=scheduler_cls, **engine)
+    got = _drive(ex, core, workload, 300)
+    _same_tokens(ex, got, want, "with your engine core")
+    windows, calls = log["model"], log["schedule"]
+    overlapped = sum(any(s < b and a < e for s, e in calls) for a, b in windows[:-1])
+    if 3 * overlapped < len(windows) - 1:
+        ex.fail(f"of your engine's {len(windows)} model steps, only {overlapped} had the scheduler "
+                "called while the model ran them (at least a third must): schedule step N+1 "
+                "while step N is in flight (the model's step can run in another thread), not "
+                "after it returns.")
+    ex.passed(f"a workload drawn now ({len(workload)} requests) gave the package's greedy tokens, "
+              f"and in {overlapped} of {len(windows) - 1} model steps the scheduler ran while the "
+              "model did.")
+
+
+__all__ = ["check_priority_scheduler", "check_overlap_core", "draw_priority_workload"]
