@@ -1,4 +1,4 @@
-"""The design exercises' graders (5.3 priority preemption, 7.2 overlap scheduling): the
+"""The design exercises' graders (5.3 priority preemption, 7.3 overlap scheduling): the
 solutions pass on several drawn workloads; the package's own implementation, a bare subclass
 and a plausible wrong design each fail with a message that says what went wrong."""
 
@@ -16,8 +16,9 @@ from minivllm.engine.core import EngineCore
 # -- 5.3: the solution notebook's scheduler, and wrong designs ---------------------------------
 
 class PriorityScheduler(Scheduler):
-    """The solution notebook's: running requests kept in rank order, the lowest-ranked is
-    preempted, waiting requests admitted in rank order. The two flags make the wrong designs."""
+    """The solution notebook's design (solutions/05_v1_scheduler.ipynb): running requests kept in
+    rank order, the lowest-ranked preempted, waiting requests admitted in rank order. The two
+    flags make the wrong designs."""
 
     keep_running_ranked = True  # False: the newest running request is the victim (FCFS's)
     admit_by_rank = True  # False: waiting requests admitted in arrival order
@@ -95,11 +96,12 @@ def test_priority_wrong_designs_fail(wrong, fragment, seed):
     assert not isinstance(info.value, Delegated)
 
 
-# -- 7.2: the solution notebook's engine core, and wrong designs -------------------------------
+# -- 7.3: the solution notebook's engine core, and wrong designs -------------------------------
 
 class OverlappingEngineCore(EngineCore):
-    """The solution notebook's: the model runs each step in a worker thread; step() schedules
-    the next step and queues it behind the one in flight, then waits for the older one."""
+    """The solution notebook's design (solutions/07_engine_core_process.ipynb): the model runs
+    each step in a worker thread; step() schedules the next step and queues it behind the one in
+    flight, then waits for the older one."""
 
     def __init__(self, config, show_progress=True):
         super().__init__(config, show_progress)
@@ -165,12 +167,12 @@ class DropsTheLastStep(OverlappingEngineCore):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_overlap_solution_passes(seed, capsys):
     check_overlap_core(OverlappingEngineCore, seed=seed)
-    assert "Exercise 7.2 passed" in capsys.readouterr().out
+    assert "Exercise 7.3 passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("submission", [EngineCore, type("MyCore", (EngineCore,), {})])
 def test_overlap_refuses_the_package_core_and_a_bare_subclass(submission):
-    with pytest.raises(Delegated, match="Exercise 7.2: .*EngineCore.step"):
+    with pytest.raises(Delegated, match="Exercise 7.3: .*EngineCore.step"):
         check_overlap_core(submission, seed=0)
 
 
