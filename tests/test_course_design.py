@@ -184,3 +184,34 @@ def test_overlap_wrong_designs_fail(wrong, fragment):
     with pytest.raises(CheckFailed, match=fragment) as info:
         check_overlap_core(wrong, seed=0)
     assert not isinstance(info.value, Delegated)
+
+
+def test_a_wrapper_around_the_package_policy_is_refused():
+    class Wrapped(Scheduler):
+        def schedule(self):
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
+            return Scheduler.schedule(self)
+
+    class WrappedCore(EngineCore):
+        def step(self):
+            return super().step()
+
+    with pytest.raises(Delegated, match="Exercise 5.3: .*Scheduler.schedule"):
+        check_priority_scheduler(Wrapped, seed=0)
+    with pytest.raises(Delegated, match="Exercise 7.3: .*EngineCore.step"):
+        check_overlap_core(WrappedCore, seed=0)
+
+
+def test_requests_carry_vllms_priority_field():
+    """The exercises' requests: EngineCoreRequest.priority (default 0) reaches Request.priority
+    and survives the trip between processes."""
+    from minivllm import SamplingParams
+    from minivllm.core.request import Request
+    from minivllm.engine import serial
+    from minivllm.engine.messages import EngineCoreRequest, EngineCoreRequestType
+
+    assert Request.from_prompt("a", [1, 2]).priority == 0
+    assert Request.from_prompt("b", [1, 2], priority=-3).priority == -3
+    request = EngineCoreRequest("c", [1, 2], SamplingParams(max_tokens=2), priority=5)
+    kind, back = serial.decode_request(serial.encode_request(EngineCoreRequestType.ADD, request))
+    assert back == request and back.priority == 5

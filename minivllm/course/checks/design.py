@@ -174,7 +174,7 @@ OVERLAP_CONVENTION = (
     "step() returns the outputs of the steps that completed, every request ends with the "
     "package's greedy tokens, and no KV block leaks.")
 OVERLAP_ANSWER = ("minivllm.engine.core:EngineCore.step",)
-MODEL_DELAY_S = 0.02  # the instrumented runner's extra time per step: a window to schedule in
+MODEL_DELAY_S = 0.05  # the instrumented runner's extra time per step: a window to schedule in
 
 
 def _instrumented_classes():
