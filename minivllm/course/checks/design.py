@@ -52,7 +52,9 @@ def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> 
             if step >= max_steps:
                 left = sorted(set(arrived) - {r for r, t in tokens.items() if t[1]})
                 ex.fail(f"after {max_steps} steps requests {left} have not finished: every "
-                        "request must finish (none may starve or be lost).")
+                        "request must finish (none may starve or be lost)." if left else
+                        f"after {max_steps} steps every request has finished, but the engine "
+                        "still reports unfinished requests (has_unfinished_requests()).")
             while pending and pending[0][0] <= step:
                 request = pending.pop(0)[1]
                 core.add_request(request)
