@@ -32,6 +32,30 @@ from __future__ import annotations
 import importlib.util
 import os
 
+
+def _give_the_name_kernels_back() -> None:
+    """This folder is ``minivllm.kernels``. Python started in the repository root (``python -m
+    pytest``, a REPL) has the root on ``sys.path``, and there this folder would answer to
+    ``import kernels``, hiding the PyPI package of that name, which transformers imports (from
+    5.x on, a dependency of it). Imported under that name, hand it to the installed package, or
+    be absent as it is."""
+    import importlib.machinery
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder "
+                                  "is minivllm.kernels)", name="kernels")
+    real = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = real  # what the import statement returns
+    spec.loader.exec_module(real)
+
+
+if __name__ == "kernels":
+    _give_the_name_kernels_back()
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

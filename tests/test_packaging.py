@@ -100,3 +100,26 @@ def test_a_built_wheel_carries_every_package_and_the_kernel_source(tmp_path):
         source = os.path.join(ROOT, "kernels" if package == "minivllm.kernels" else folder)
         modules = {f for f in os.listdir(source) if f.endswith(".py")}
         assert {f"{folder}/{m}" for m in modules} <= set(names), package
+
+
+def test_the_repository_root_does_not_hide_the_pypi_package_kernels():
+    """Python started in the repository root has kernels/ (minivllm.kernels) on its path; there,
+    `import kernels` must still reach the installed PyPI package (transformers imports it), or
+    fail as a missing module where that package is not installed."""
+    import subprocess
+    import sys
+
+    probe = ("import importlib.metadata as m, os, sys\n"
+             "try:\n    m.version('kernels')\nexcept m.PackageNotFoundError:\n"
+             "    installed = False\nelse:\n    installed = True\n"
+             "try:\n    import kernels\nexcept ModuleNotFoundError:\n"
+             "    print('absent', installed)\nelse:\n"
+             "    print('ours' if os.path.dirname(os.path.dirname(kernels.__file__)) == os.getcwd()"
+             " else 'installed', installed)\n"
+             "import minivllm.kernels as k\nprint(callable(k.triton_unavailable_reason))\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    found, installed, ours_works = out.stdout.split()
+    assert found == ("installed" if installed == "True" else "absent")
+    assert ours_works == "True"
