@@ -239,7 +239,8 @@ def test_the_package_launcher_under_the_expected_name_fails():
         return rms_norm(x, weight, eps, residual)
 
     _fails(checks.check_fused_add_rms_norm, fused_add_rms_norm,
-           fragments=("Exercise 9.4", "minivllm.kernels.rms_norm.rms_norm", "hides minivllm's"))
+           fragments=("Exercise 9.4", "minivllm.kernels.rms_norm.rms_norm",
+                      "the package's own answer"))
 
 
 def test_launching_the_package_rms_norm_kernel_fails():
@@ -272,7 +273,7 @@ def test_the_package_fetched_at_run_time_is_hidden():
         module = importlib.import_module("minivllm." + "kernels.rms_norm")
         return getattr(module, "rms_" + "norm")(x, weight, eps, residual)
 
-    _fails(checks.check_fused_add_rms_norm, sneaky, fragments=("hides minivllm's version",))
+    _fails(checks.check_fused_add_rms_norm, sneaky, fragments=("the package's own answer",))
     from minivllm.kernels import rms_norm as package
 
     assert package.rms_norm.__code__.co_name == "rms_norm"  # restored afterwards
@@ -346,16 +347,15 @@ def test_launching_the_package_reduce_kernel_fails():
            fragments=("Exercise 9.7", "_decode_reduce_kernel"))
 
 
-def test_hiding_is_undone_after_a_check():
-    from minivllm.attention.torch_backend import paged_decode_attention
-    from minivllm.kernels.attention_tile import load_kv_tile
+def test_the_watch_is_undone_after_a_check():
+    import sys
 
-    with pytest.raises(checks.CheckFailed):
-        with kernel_checks.package_kernels_hidden("9.6"):
-            paged_decode_attention(torch.zeros(1, 1, 4), torch.zeros(2, 1, 1, 1, 4),
-                                   torch.zeros(1, 1, dtype=torch.int32),
-                                   torch.ones(1, dtype=torch.int32), 1.0)
-    assert "run" not in vars(load_kv_tile) and "rewrite" not in vars(load_kv_tile)
+    from minivllm.attention.torch_backend import paged_decode_attention
+
+    _fails(checks.check_paged_decode, lambda *a: importlib.import_module(
+        "minivllm.attention.torch_backend").paged_decode_attention(*a),
+        fragments=("torch_backend.paged_decode_attention",))
+    assert sys.getprofile() is None
     out = paged_decode_attention(torch.ones(1, 1, 4), torch.ones(2, 1, 1, 1, 4),
                                  torch.zeros(1, 1, dtype=torch.int32),
                                  torch.ones(1, dtype=torch.int32), 1.0)

@@ -130,8 +130,18 @@ def _fingerprint(code: types.CodeType):
     return (code.co_code, code.co_names, code.co_varnames, code.co_argcount, consts)
 
 
+def _triton_fn(obj) -> types.FunctionType | None:
+    """The Python function of a ``@triton.jit`` kernel; None for anything else."""
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is not None and isinstance(obj, jit.KernelInterface):
+        fn = getattr(obj, "fn", None)
+        return fn if isinstance(fn, types.FunctionType) else None
+    return None
+
+
 def _functions_of(obj) -> Iterable[Callable]:
-    """The plain functions behind a function, method, static/class method or property."""
+    """The plain functions behind a function, method, static/class method, property or kernel."""
+    obj = _triton_fn(obj) or obj
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     if isinstance(obj, property):
@@ -380,6 +390,8 @@ class Exercise:
         """The learner's object, inspected (see :meth:`inspect`) and watched while it runs:
         a function comes back wrapped, a class as a subclass whose methods are wrapped."""
         self.inspect(obj, label)
+        if _triton_fn(obj) is not None:
+            return obj  # a kernel: its launches and calls are watched through the launcher's
         if isinstance(obj, type):
             return self._watch_class(obj)
         if callable(obj):
@@ -408,6 +420,8 @@ class Exercise:
     def _hook(self, frame, event, arg):
         if event == "call":
             name = self._code_names.get(frame.f_code)
+            if name is None and frame.f_code.co_name in ("run", "__call__"):
+                name = self._kernel_name(frame.f_locals.get("self"))  # a kernel launched/called
         elif event == "c_call":
             found = self._objects.get(id(arg))
             name = found[1] if found is not None and found[0] is arg else None
@@ -416,6 +430,13 @@ class Exercise:
         if name is not None:
             self._hits.append(name)
             self._refuse("your code (while it ran)", "called", name)
+
+    def _kernel_name(self, kernel) -> str | None:
+        found = self._objects.get(id(kernel))
+        if found is not None and found[0] is kernel:
+            return found[1]
+        fn = _triton_fn(kernel)  # a fresh triton.jit of the package's function
+        return self._code_names.get(fn.__code__) if fn is not None else None
 
     def _enter(self):
         depth = getattr(self._local, "depth", 0)

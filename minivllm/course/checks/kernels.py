@@ -13,7 +13,7 @@ on a tiny random-weight Llama (two layers, 4 query heads over 2 KV heads), and t
 must be the reference engine's, token for token.
 
 A launcher or kernel that hands the work to the package's own kernels (``minivllm.kernels``) or
-to its torch references fails, saying so, however it got hold of them (see below).
+to its torch references fails, however it got hold of them (``grading.Exercise``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import random
+import sys
 import types
 from contextlib import contextmanager
 
@@ -32,207 +33,47 @@ from minivllm.attention.torch_backend import (
     paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
 )
 from minivllm.course.checks.common import (
-    CheckFailed, compare_tensors, fail, passed, write_tiny_checkpoint,
+    CheckFailed, Exercise, compare_tensors, fail, first_difference, greedy_token_ids, model_runner,
+    passed, write_tiny_checkpoint,
 )
+from minivllm.course.grading import _triton_fn
 from minivllm.model.layers import rms_norm as reference_rms_norm
 
-# -- the package's kernels, out of reach while a learner's runs ----------------------------------
-#
-# Two guards, both keyed on the identity of the package's objects (so an alias, a re-import under
-# the expected name, or a fresh ``triton.jit`` of the package's Python function are all caught):
-#
-# * before any case runs, ``refuse_delegation`` follows what the learner's launcher and kernel
-#   reach by name (globals named in their code, closures, defaults, attributes of modules named
-#   in their code, a JIT function's Python function) and fails if it meets one of the package's
-#   kernels or torch references, or their code;
-# * while the learner's code runs, ``package_kernels_hidden`` makes those objects refuse to run
-#   (a Python function's code is swapped; a Triton function's launch and device call raise), which
-#   also catches what is fetched at run time (``importlib.import_module``).
+# -- the package's kernels and torch references are the answer: refused however they are reached
 
 KERNEL_MODULES = ("rms_norm", "attention_tile", "decode_attention", "prefill_attention",
                   "activation", "rotary_embedding", "reshape_and_cache")
-TORCH_REFERENCES = {  # the package's plain-torch versions of what chapter 09's exercises write
-    "minivllm.attention.torch_backend": ("paged_decode_attention", "paged_prefill_attention",
-                                         "gather_context", "gather_blocks", "attend_group",
-                                         "attend_decodes_by_rows"),
-    "minivllm.model.layers": ("rms_norm",),
-}
-
-_hiding: list[str] = []  # the exercise being graded while the package's objects are hidden
-
-
-def _is_triton_function(obj) -> bool:
-    try:
-        from triton.runtime.jit import KernelInterface
-    except ImportError:
-        return False
-    return isinstance(obj, KernelInterface) and inspect.isfunction(getattr(obj, "fn", None))
+TORCH_REFERENCES = (  # the package's plain-torch versions of what chapter 09's exercises write
+    "minivllm.attention.torch_backend:paged_decode_attention",
+    "minivllm.attention.torch_backend:paged_prefill_attention",
+    "minivllm.attention.torch_backend:gather_context", "minivllm.attention.torch_backend:gather_blocks",
+    "minivllm.attention.torch_backend:attend_group",
+    "minivllm.attention.torch_backend:attend_decodes_by_rows", "minivllm.model.layers:rms_norm")
 
 
 @functools.lru_cache(maxsize=1)
-def package_objects() -> dict[int, tuple[object, str]]:
-    """id -> (object, dotted name) for every kernel, launcher and torch reference the learner
-    must not hand the work to, plus their Python functions and code objects."""
-    found: dict[int, tuple[object, str]] = {}
-
-    def add(obj, name):
-        fn = obj.fn if _is_triton_function(obj) else obj
-        if inspect.isfunction(fn):  # named where it is defined, not where it was imported
-            name = f"{fn.__module__}.{fn.__qualname__}"
-        found[id(obj)] = (obj, name)
-        if inspect.isfunction(fn):
-            found[id(fn)] = (fn, name)
-            found[id(fn.__code__)] = (fn.__code__, name)
-
-    for short in KERNEL_MODULES:
-        module_name = f"minivllm.kernels.{short}"
+def package_answer() -> tuple[str, ...]:
+    """Every kernel and launcher of ``minivllm.kernels`` (named where it is defined), and the
+    torch references."""
+    modules = {f"minivllm.kernels.{short}" for short in KERNEL_MODULES}
+    names = list(TORCH_REFERENCES)
+    for name in sorted(modules):
         try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # no triton: nothing to hide
+            module = importlib.import_module(name)
+        except ImportError:  # no triton: no kernels to refuse
             continue
-        for attr, value in vars(module).items():
-            if _is_triton_function(value) or (inspect.isfunction(value)
-                                              and value.__module__ == module_name):
-                add(value, f"{module_name}.{attr}")
-    for module_name, attrs in TORCH_REFERENCES.items():
-        module = importlib.import_module(module_name)
-        for attr in attrs:
-            add(getattr(module, attr), f"{module_name}.{attr}")
-    return found
+        for value in vars(module).values():
+            fn = _triton_fn(value) or value
+            if isinstance(fn, types.FunctionType) and fn.__module__ in modules:
+                names.append(f"{fn.__module__}:{fn.__qualname__}")
+    return tuple(dict.fromkeys(names))
 
 
-def _code_names(code) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            names |= _code_names(const)
-    return names
-
-
-LIBRARIES = ("torch", "triton", "numpy", "builtins", "math", "functools", "typing")
-
-
-def _reached(roots, limit: int = 5000):
-    """(object, how it was reached) for everything the roots name, transitively."""
-    stack = [(root, getattr(root, "__name__", type(root).__name__), ()) for root in roots]
-    seen = set()
-    while stack and len(seen) < limit:
-        obj, path, names = stack.pop()
-        if isinstance(obj, types.ModuleType):  # follow only the attributes the code names
-            key = (id(obj), frozenset(names))
-            if key in seen or not obj.__name__.startswith("minivllm"):
-                continue
-            seen.add(key)
-            stack += [(getattr(obj, n), f"{path}.{n}", names) for n in names if hasattr(obj, n)]
-            continue
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        yield obj, path
-        if _is_triton_function(obj):
-            stack.append((obj.fn, path, ()))
-        elif isinstance(obj, functools.partial):
-            stack += [(x, path, ()) for x in (obj.func, *obj.args, *obj.keywords.values())]
-        elif inspect.ismethod(obj):
-            stack.append((obj.__func__, path, ()))
-        elif inspect.isfunction(obj):
-            yield obj.__code__, path
-            if (obj.__module__ or "").split(".")[0] in LIBRARIES:
-                continue
-            code_names = _code_names(obj.__code__)
-            for n in code_names:
-                if n in obj.__globals__:
-                    stack.append((obj.__globals__[n], n, code_names))
-            for cell in obj.__closure__ or ():
-                try:
-                    stack.append((cell.cell_contents, path, code_names))
-                except ValueError:  # an empty cell
-                    pass
-            stack += [(x, path, ()) for x in (obj.__defaults__ or ())]
-            stack += [(x, path, ()) for x in (obj.__kwdefaults__ or {}).values()]
-        elif isinstance(obj, type) and (obj.__module__ or "").split(".")[0] not in LIBRARIES:
-            stack += [(x, f"{path}.{k}", ()) for k, x in vars(obj).items()]
-            stack += [(base, path, ()) for base in obj.__bases__ if base is not object]
-        elif callable(obj) and not isinstance(obj, type) and hasattr(type(obj), "__call__") \
-                and (type(obj).__module__ or "").split(".")[0] not in LIBRARIES:
-            stack.append((type(obj), path, ()))
-
-
-def refuse_delegation(exercise: str, *learner) -> None:
-    """Fail if the learner's code reaches one of the package's kernels or references."""
-    package = package_objects()
-    for obj, path in _reached([x for x in learner if x is not None]):
-        if id(obj) in package and package[id(obj)][0] is obj:
-            fail(exercise, f"your code reaches {package[id(obj)][1]} (as `{path}`), the package's "
-                           "own version: the exercise asks you to write it yourself, with Triton "
-                           "(the grader hides minivllm's version)")
-
-
-class _Refuse:
-    """What a hidden object runs instead of itself."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, *args, **kwargs):
-        raise hidden(self.name)
-
-
-def hidden(name: str) -> CheckFailed:
-    exercise = _hiding[-1] if _hiding else "9"
-    return CheckFailed(f"Exercise {exercise}: your code called {name}, the package's own version: "
-                       "the exercise asks you to write it (the grader hides minivllm's version)")
-
-
-def _refusing_code(fn):
-    source = (f"def {fn.__name__}(*args, **kwargs):\n"
-              f"    raise __import__('{__name__}', fromlist=['hidden']).hidden("
-              f"{fn.__module__ + '.' + fn.__qualname__!r})\n")
-    scope: dict = {}
-    exec(compile(source, fn.__code__.co_filename, "exec"), {}, scope)
-    return scope[fn.__name__].__code__
-
-
-@contextmanager
-def package_kernels_hidden(exercise: str):
-    """While the block runs, every object of ``package_objects`` raises CheckFailed when called,
-    launched, or called from inside a kernel, whatever name the caller holds it by."""
-    undo = []
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        InterpretedFunction = None
-    for obj, name in {id(o): (o, n) for o, n in package_objects().values()}.values():
-        if _is_triton_function(obj):
-            refuse = _Refuse(name)
-            obj.run = refuse  # a launch: kernel[grid](...)
-            undo.append(lambda obj=obj: obj.__dict__.pop("run", None))
-            if InterpretedFunction is not None and isinstance(obj, InterpretedFunction):
-                obj.rewrite = lambda refuse=refuse: refuse  # a call from inside a kernel
-                undo.append(lambda obj=obj: obj.__dict__.pop("rewrite", None))
-                cache = InterpretedFunction.rewritten_fn  # a fresh triton.jit of the same fn
-                before = cache.get(obj.fn)
-                cache[obj.fn] = refuse
-                undo.append(lambda fn=obj.fn, before=before: (
-                    cache.__setitem__(fn, before) if before is not None else cache.pop(fn, None)))
-        elif inspect.isfunction(obj) and not obj.__code__.co_freevars:
-            original = obj.__code__
-            obj.__code__ = _refusing_code(obj)
-            undo.append(lambda obj=obj, original=original: setattr(obj, "__code__", original))
-    _hiding.append(exercise)
-    try:
-        yield
-    finally:
-        _hiding.pop()
-        for step in reversed(undo):
-            step()
-
-
-def _call(exercise: str, fn, *args, **kwargs):
-    """Run the learner's launcher with the package's kernels hidden. Triton's interpreter wraps
-    an exception raised inside a kernel in an InterpreterError; an unsolved exercise's
-    NotImplementedError (or a checker's CheckFailed) comes out as itself."""
-    with package_kernels_hidden(exercise):
+def _unwrapped(fn):
+    """``fn`` with the exception of an unsolved kernel (NotImplementedError) or of the grader
+    (CheckFailed) raised as itself, not wrapped in Triton's InterpreterError."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as e:
@@ -242,6 +83,7 @@ def _call(exercise: str, fn, *args, **kwargs):
             if cause is not e and isinstance(cause, (NotImplementedError, CheckFailed)):
                 raise cause from None
             raise
+    return call
 
 
 @contextmanager
@@ -249,50 +91,53 @@ def counting_runs(piece, launched: bool):
     """Count how often the learner's Triton ``piece`` ran: launches of a kernel, or calls of a
     device function from inside a kernel (the latter only in the interpreter; compiled, the
     call is inlined). Yields a one-element list, or None where nothing can be counted."""
-    if not _is_triton_function(piece):
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if _triton_fn(piece) is None or not launched and not (
+            interpreter and isinstance(piece, interpreter.InterpretedFunction)):
         yield None
         return
     count = [0]
+    attr = "run" if launched else "rewrite"
+    real = getattr(type(piece), attr)
     if launched:
-        def run(*args, **kwargs):
+        def counted(*args, **kwargs):
             count[0] += 1
-            return type(piece).run(piece, *args, **kwargs)
-
-        piece.run = run
-        undo = "run"
+            return real(piece, *args, **kwargs)
+        piece.run = counted
     else:
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-        except ImportError:
-            InterpretedFunction = None
-        if InterpretedFunction is None or not isinstance(piece, InterpretedFunction):
-            yield None
-            return
-        real = type(piece).rewrite(piece)
+        rewritten = real(piece)
 
         def counted(*args, **kwargs):
             count[0] += 1
-            return real(*args, **kwargs)
-
+            return rewritten(*args, **kwargs)
         piece.rewrite = lambda: counted
-        undo = "rewrite"
     try:
         yield count
     finally:
-        piece.__dict__.pop(undo, None)
+        piece.__dict__.pop(attr, None)
 
 
-def _grade(exercise: str, launcher, piece, launched: bool, run_cases) -> None:
-    """Refuse delegation, then run the cases (``run_cases()``) counting the learner's piece."""
-    if piece is not None and not _is_triton_function(piece):
-        fail(exercise, f"expected your @triton.jit function, got {type(piece).__name__}")
-    refuse_delegation(exercise, launcher, piece)
-    with counting_runs(piece, launched) as count:
-        run_cases()
-    if count is not None and count[0] == 0:
-        how = "launch" if launched else "reach it through the given kernel, which calls"
-        fail(exercise, f"the cases passed without running your {piece.__name__}: the launcher must "
-                       f"{how} it")
+def _grade(exercise: str, seed: int, launcher, piece, launched: bool, run_cases) -> None:
+    """Refuse the package's answer in the learner's launcher and piece, then run the cases
+    (``run_cases(launcher)``, the launcher watched) counting the learner's piece. A failure
+    names the seed that repeats the cases."""
+    try:
+        ex = Exercise(exercise, answer=package_answer(),
+                      allowed="torch and Triton (triton, triton.language)")
+        if piece is not None:
+            if _triton_fn(piece) is None:
+                fail(exercise, f"expected your @triton.jit function, got {type(piece).__name__}")
+            ex.inspect(piece)
+        watched = _unwrapped(ex.take(launcher))
+        with counting_runs(piece, launched) as count:
+            run_cases(watched)
+        if count is not None and count[0] == 0:
+            how = "launch" if launched else "reach it through the given kernel, which calls"
+            fail(exercise, f"the cases passed without running your {piece.__name__}: the launcher "
+                           f"must {how} it")
+    except CheckFailed as e:
+        raise type(e)(f"{e} [cases drawn with seed={seed}: pass seed={seed} to the checker to "
+                      "repeat them]") from None
 
 
 # -- the tiny model the kernels are plugged into -------------------------------------------------
@@ -319,18 +164,8 @@ def _prompts(seed: int = 0) -> list[dict]:
                                 for n in (30, 5)]
 
 
-def _greedy(llm, max_tokens: int = 6) -> list[list[int]]:
-    from minivllm import SamplingParams
-
-    llm.llm_engine.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(_prompts(), params, use_tqdm=False)
-    llm.llm_engine.reset_prefix_cache()
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.model_runner
+def _greedy(llm) -> list[list[int]]:
+    return [list(t) for t in greedy_token_ids(llm, _prompts(), max_tokens=6)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -344,9 +179,8 @@ def _compare_in_engine(exercise: str, what: str, got: list[list[int]]) -> None:
         fail(exercise, f"with your {what} inside the engine, {len(got)} requests finished, "
                        f"expected {len(expected)}")
     for i, (g, e) in enumerate(zip(got, expected)):
-        if tuple(g) != tuple(e):
-            # the first token that differs; a strict prefix differs where the shorter one ends
-            first = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+        first = first_difference(g, e)
+        if first is not None:
             fail(exercise, f"with your {what} inside the engine (tiny Llama, greedy), request {i}'s "
                            f"output goes wrong at token {first}: expected {list(e)}, got {list(g)}")
 
@@ -365,9 +199,8 @@ class DecodeKernelBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
-            got = _call(self.exercise, self.decode, q[:nd].contiguous(), kv_cache,
-                        metadata.block_tables[:nd].contiguous(), metadata.seq_lens[:nd].contiguous(),
-                        scale)
+            got = self.decode(q[:nd].contiguous(), kv_cache, metadata.block_tables[:nd].contiguous(),
+                              metadata.seq_lens[:nd].contiguous(), scale)
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(q[:nd].shape):
                 fail(self.exercise, f"inside the engine, decode attention of {nd} sequences returned "
                                     f"{getattr(got, 'shape', type(got).__name__)}, expected a tensor "
@@ -385,7 +218,7 @@ class DecodeKernelBackend(AttentionBackend):
 def _decode_in_engine(exercise: str, what: str, decode) -> None:
     llm = tiny_engine()
     _reference_tokens()
-    runner = _runner(llm)
+    runner = model_runner(llm)
     layers = runner.model.attention_layers()
     saved = [layer.backend for layer in layers]
     backend = DecodeKernelBackend(decode, exercise)
@@ -409,14 +242,6 @@ def _seeded(exercise: str, seed: int | None):
     return torch.Generator().manual_seed(seed), seed
 
 
-def _graded(exercise: str, seed: int, launcher, piece, launched: bool, run_cases) -> None:
-    try:
-        _grade(exercise, launcher, piece, launched, run_cases)
-    except CheckFailed as e:
-        raise CheckFailed(f"{e} [cases drawn with seed={seed}: pass seed={seed} to the checker to "
-                          "repeat them]") from None
-
-
 # -- Warm-up puzzles 9.1-9.3: a 2-D grid, a tiled reduction, tl.dot ------------------------------
 
 BIAS_CONVENTION = (
@@ -432,10 +257,10 @@ def check_bias_add(add_bias, kernel=None, exercise: str = "9.1", seed: int | Non
         (int(torch.randint(2, 40, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g)))
         for _ in range(2)]
 
-    def cases():
+    def cases(fn):
         for shape in shapes:
             x, bias = torch.randn(shape, generator=g), torch.randn(shape[1], generator=g)
-            got = _call(exercise, add_bias, x.clone(), bias.clone())
+            got = fn(x.clone(), bias.clone())
             hint = None
             if isinstance(got, torch.Tensor) and got.shape == x.shape and shape[0] == shape[1] > 1 \
                     and torch.allclose(got, x + bias[:, None]):
@@ -443,7 +268,7 @@ def check_bias_add(add_bias, kernel=None, exercise: str = "9.1", seed: int | Non
             compare_tensors(exercise, f"add_bias(x of shape {shape})", got, x + bias, 1e-6, 1e-6,
                             BIAS_CONVENTION, hint)
 
-    _graded(exercise, seed, add_bias, kernel, True, cases)
+    _grade(exercise, seed, add_bias, kernel, True, cases)
     passed(exercise, f"your kernel adds the bias on {len(shapes)} random shapes, edges masked.")
 
 
@@ -460,10 +285,10 @@ def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | Non
         (int(torch.randint(1, 6, (1,), generator=g)),
          int(torch.randint(33, 130, (1,), generator=g))) for _ in range(2)]
 
-    def cases():
+    def cases(fn):
         for shape in shapes:
             x = torch.randn(shape, generator=g)
-            got = _call(exercise, row_sums, x.clone())
+            got = fn(x.clone())
             hint = None
             if isinstance(got, torch.Tensor) and got.shape == (shape[0],) and shape[1] > 16:
                 if torch.allclose(got, x[:, :16].sum(1), atol=1e-4):
@@ -473,7 +298,7 @@ def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | Non
             compare_tensors(exercise, f"row_sums(x of shape {shape})", got, x.sum(1), 1e-4, 1e-4,
                             ROW_SUM_CONVENTION, hint)
 
-    _graded(exercise, seed, row_sums, kernel, True, cases)
+    _grade(exercise, seed, row_sums, kernel, True, cases)
     passed(exercise, f"your tiled reduction sums {len(shapes)} random matrices, rows of 1 to "
                      "129 columns in tiles of 16.")
 
@@ -490,10 +315,10 @@ def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | N
     shapes = [(1, 1, 1), (16, 16, 16), (5, 7, 3), (33, 40, 17)] + [
         tuple(int(torch.randint(2, 40, (1,), generator=g)) for _ in range(3)) for _ in range(2)]
 
-    def cases():
+    def cases(fn):
         for m, k, n in shapes:
             a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-            got = _call(exercise, matmul, a.clone(), b.clone())
+            got = fn(a.clone(), b.clone())
             hint = None
             if isinstance(got, torch.Tensor) and got.shape == (m, n) and k > 16 and torch.allclose(
                     got, a[:, -(k % 16 or 16):] @ b[-(k % 16 or 16):], atol=1e-3):
@@ -501,7 +326,7 @@ def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | N
             compare_tensors(exercise, f"matmul(a {m}x{k}, b {k}x{n})", got, a @ b, 1e-4, 1e-4,
                             MATMUL_CONVENTION, hint)
 
-    _graded(exercise, seed, matmul, kernel, True, cases)
+    _grade(exercise, seed, matmul, kernel, True, cases)
     passed(exercise, f"your tiled matmul matches a @ b on {len(shapes)} random shapes (edges "
                      "masked, K looped in tiles).")
 
@@ -520,7 +345,7 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
     g, seed = _seeded(exercise, seed)
     cases = []
 
-    def run_cases():
+    def run_cases(fn):
         for shape in [(1, 64), (3, 100), (5, 7), (2, 3, 33)]:
             for dtype in (torch.float32, torch.bfloat16):
                 for eps in (1e-6, 0.5):
@@ -528,7 +353,7 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
                     residual = torch.randn(shape, generator=g).to(dtype)
                     weight = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
                     want_out, want_res = reference_rms_norm(x, weight, eps, residual)
-                    got = _call(exercise, fused_add_rms_norm, x.clone(), residual.clone(),
+                    got = fn(x.clone(), residual.clone(),
                                 weight.clone(), eps)
                     what = f"fused_add_rms_norm(x of shape {shape}, {dtype}, eps={eps:g})"
                     if not (isinstance(got, tuple) and len(got) == 2):
@@ -548,14 +373,14 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
 
         def norm_op(x, weight, eps, residual=None):  # every RMSNorm of the model, via the kernel
             if residual is None:
-                return _call(exercise, fused_add_rms_norm, x, torch.zeros_like(x), weight, eps)[0]
-            return _call(exercise, fused_add_rms_norm, x, residual, weight, eps)
+                return fn(x, torch.zeros_like(x), weight, eps)[0]
+            return fn(x, residual, weight, eps)
 
         from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 
         llm = tiny_engine()
         _reference_tokens()
-        model = _runner(llm).model
+        model = model_runner(llm).model
         try:
             use_elementwise_ops(model, {"rms_norm": norm_op})
             got = _greedy(llm)
@@ -563,7 +388,7 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
             use_elementwise_ops(model, NATIVE_OPS)
         _compare_in_engine(exercise, "fused_add_rms_norm in every norm", got)
 
-    _graded(exercise, seed, fused_add_rms_norm, kernel, True, run_cases)
+    _grade(exercise, seed, fused_add_rms_norm, kernel, True, run_cases)
     passed(exercise, f"fused_add_rms_norm matches the reference on {len(cases)} random cases, and "
                      "the tiny Llama with your kernel in every norm generates the reference "
                      "tokens.")
@@ -593,7 +418,7 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
     g, seed = _seeded(exercise, seed)
     cases = []
 
-    def run_cases():
+    def run_cases(fn):
         for rows, n, d in ((1, 5, 4), (4, 37, 16), (8, 64, 8), (3, 130, 32)):
             for sizes in ([16], [1], [7, 3, 16], [n]):
                 for spread in (1.0, 30.0):
@@ -605,7 +430,7 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
                     m = torch.full((rows,), float("-inf"))
                     l, acc = torch.zeros(rows), torch.zeros(rows, d)
                     for a, b in _tiles(n, sizes):
-                        got = _call(exercise, online_softmax_update, s[:, a:b].clone(),
+                        got = fn(s[:, a:b].clone(),
                                     v[a:b].clone(), m, l, acc)
                         if not (isinstance(got, tuple) and len(got) == 3):
                             fail(exercise, f"expected a tuple (m, l, acc), got "
@@ -627,9 +452,9 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
                                     acc / l[:, None], expected, 1e-4, 1e-4, ONLINE_CONVENTION, hint)
                     cases.append(what)
         _decode_in_engine(exercise, "online_softmax_update (a torch decode attention folding "
-                                    "tiles of 8 keys)", _tiled_torch_decode(online_softmax_update))
+                                    "tiles of 8 keys)", _tiled_torch_decode(fn))
 
-    _graded(exercise, seed, online_softmax_update, None, False, run_cases)
+    _grade(exercise, seed, online_softmax_update, None, False, run_cases)
     passed(exercise, f"online_softmax_update matches softmax over {len(cases)} random score "
                      "matrices cut into tiles, and the tiny Llama decoding with it generates the "
                      "reference tokens.")
@@ -673,7 +498,7 @@ def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
     g, seed = _seeded(exercise, seed)
     cases = []
 
-    def run_cases():
+    def run_cases(fn):
         for heads, kv_heads, d in ((4, 2, 16), (3, 3, 8), (8, 1, 32)):
             for n in (1, 15, 16, 17, 70):
                 for spread in (1.0, 20.0):
@@ -685,14 +510,14 @@ def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
                     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
                     expected = torch.einsum("hs,shd->hd", torch.softmax(
                         torch.einsum("hd,shd->hs", q, kk) * scale, dim=-1), vv)
-                    got = _call(exercise, attention, q.clone(), k.clone(), v.clone(), scale)
+                    got = fn(q.clone(), k.clone(), v.clone(), scale)
                     compare_tensors(exercise, f"attention of {heads} query heads over {n} keys "
                                     f"({kv_heads} KV heads, d={d}, query spread {spread:g})", got,
                                     expected, 1e-4, 1e-4,
                                     CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION)
                     cases.append(n)
 
-    _graded(exercise, seed, attention, update, False, run_cases)
+    _grade(exercise, seed, attention, update, False, run_cases)
     passed(exercise, f"the kernel with your tl online-softmax update matches softmax attention on "
                      f"{len(cases)} random cases (contexts of 1 to 70 keys in tiles of 16).")
 
@@ -751,18 +576,18 @@ def check_paged_decode(paged_decode, load_kv_tile=None, exercise: str = "9.6",
     g, seed = _seeded(exercise, seed)
     cases = []
 
-    def run_cases():
+    def run_cases(fn):
         for q, cache, tables, seq_lens, scale, label, _ in _paged_cases(g, extra_splits=False):
             expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
-            got = _call(exercise, paged_decode, q.clone(), cache.clone(), tables.clone(),
+            got = fn(q.clone(), cache.clone(), tables.clone(),
                         seq_lens.clone(), scale)
             compare_tensors(exercise, f"paged decode attention, {label}", got, expected, 1e-4,
                             1e-4, PAGED_CONVENTION, _paged_hint(got, q, cache, tables, seq_lens,
                                                                 scale))
             cases.append(label)
-        _decode_in_engine(exercise, "load_kv_tile (in the decode kernel)", paged_decode)
+        _decode_in_engine(exercise, "load_kv_tile (in the decode kernel)", fn)
 
-    _graded(exercise, seed, paged_decode, load_kv_tile, False, run_cases)
+    _grade(exercise, seed, paged_decode, load_kv_tile, False, run_cases)
     passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on "
                      f"{len(cases)} random block tables, and the tiny Llama decoding with it "
                      "generates the reference tokens.")
@@ -781,10 +606,10 @@ def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
     g, seed = _seeded(exercise, seed)
     cases = []
 
-    def run_cases():
+    def run_cases(fn):
         for q, cache, tables, seq_lens, scale, label, splits in _paged_cases(g, extra_splits=True):
             expected = paged_decode_attention(q, cache, tables, seq_lens, scale)
-            got = _call(exercise, flash_decode, q.clone(), cache.clone(), tables.clone(),
+            got = fn(q.clone(), cache.clone(), tables.clone(),
                         seq_lens.clone(), scale, splits)
             hint = None
             if isinstance(got, torch.Tensor) and got.shape == q.shape and torch.isnan(got).any():
@@ -794,11 +619,11 @@ def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
                             expected, 1e-4, 1e-4, SPLIT_CONVENTION, hint)
             cases.append(label)
         _decode_in_engine(exercise, "split-K reduction (2 partitions per sequence)",
-                          functools.partial(flash_decode, num_splits=2)
+                          functools.partial(fn, num_splits=2)
                           if "num_splits" in inspect.signature(flash_decode).parameters
-                          else (lambda *args: flash_decode(*args, 2)))
+                          else (lambda *args: fn(*args, 2)))
 
-    _graded(exercise, seed, flash_decode, kernel, True, run_cases)
+    _grade(exercise, seed, flash_decode, kernel, True, run_cases)
     passed(exercise, f"flash-decoding with your reduction matches the reference on {len(cases)} "
                      "random cases (1, 2 and 7 partitions, some never reached by short sequences), "
                      "and the tiny Llama decoding with it generates the reference tokens.")
@@ -806,5 +631,4 @@ def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
 
 __all__ = ["CheckFailed", "check_bias_add", "check_fused_add_rms_norm", "check_online_softmax",
            "check_online_softmax_kernel", "check_paged_decode", "check_row_sums",
-           "check_split_decode", "check_tiled_matmul", "package_kernels_hidden",
-           "refuse_delegation", "tiny_engine"]
+           "check_split_decode", "check_tiled_matmul", "package_answer", "tiny_engine"]
