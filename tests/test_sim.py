@@ -18,7 +18,7 @@ def test_cost_model_roofline():
 
 
 def test_small_long_prompt_scenario_v0_stalls_v1_does_not():
-    kw = dict(num_decoding=8, long_prompt_len=4096, decode_output_len=400)
+    kw = dict(num_chats=8, long_prompt_len=4096, chat_output_len=400)
     v0 = long_prompt_stall("v0", **kw)
     v1 = long_prompt_stall("v1", chunk_size=256, **kw)
     assert v0["p99_over_steady"] > 10
@@ -27,12 +27,11 @@ def test_small_long_prompt_scenario_v0_stalls_v1_does_not():
 
 
 def test_small_shared_prefix_scenario_counts_one_prefix_copy():
-    r = shared_system_prompt(num_sessions=40, system_prompt_len=2000, num_blocks=4000,
-                             arrival_spread=0.05)
+    r = shared_system_prompt(num_sessions=40, prefix_len=2000, num_blocks=4000, spread_s=0.05)
     assert r["all_finished"]
     assert r["peak_kv_blocks_used"] == r["peak_blocks_if_one_prefix_copy"]
     assert r["block_references_at_peak"] > 5 * r["peak_kv_blocks_used"]
-    off = shared_system_prompt(num_sessions=40, system_prompt_len=2000, num_blocks=4000,
+    off = shared_system_prompt(num_sessions=40, prefix_len=2000, num_blocks=4000,
                                enable_prefix_caching=False)
     assert off["peak_kv_blocks_used"] == off["block_references_at_peak"]  # nothing shared
 

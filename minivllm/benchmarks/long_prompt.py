@@ -14,31 +14,34 @@ hundreds: hence the sweep.
 
 from __future__ import annotations
 
-import random
 import time
 
 from minivllm.benchmarks.common import machine_info, percentile, stall_window, write_json
+from minivllm.benchmarks.workloads import LONG_PROMPT_CPU, LongPromptAmongChats
 
 
 def add_parser(subparsers, add_engine_args) -> None:
     p = subparsers.add_parser("long-prompt", help="decode TPOT when a long prompt arrives, v0 vs v1")
-    p.add_argument("--num-chats", type=int, default=16)
-    p.add_argument("--chat-prompt-len", type=int, default=48)
-    p.add_argument("--long-prompt-len", type=int, default=2048)
+    w = LONG_PROMPT_CPU
+    p.add_argument("--num-chats", type=int, default=w.num_chats)
+    p.add_argument("--chat-prompt-len", type=int, default=w.chat_prompt_len)
+    p.add_argument("--long-prompt-len", type=int, default=w.long_prompt_len)
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--steady-steps", type=int, default=20, help="decode steps before the arrival")
+    p.add_argument("--steady-steps", type=int, default=w.steady_steps,
+                   help="decode steps before the arrival")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: the chats' time per output token around the arrival, per run")
     p.add_argument("--model", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=w.seed)
     p.set_defaults(func=main)
 
 
 def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len: int,
                  long_prompt_len: int, steady_steps: int, seed: int = 0,
                  control_steps: int | None = None, llm=None, extra_steps: int = 1) -> dict:
-    """Chats decode for ``steady_steps``; then the long prompt arrives, and we step until its
+    """The workload ``LongPromptAmongChats`` of these sizes (``minivllm.benchmarks.workloads``):
+    chats decode for ``steady_steps``; then the long prompt arrives, and we step until its
     first token. ``control_steps``: the control run instead — no long prompt, just that many
     more steps — so the chats' own growth (longer contexts, slower decodes) is not blamed on it.
     Returns the chats' token gaps after the arrival point, and the number of steps taken.
@@ -50,16 +53,17 @@ def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len:
     times), and the step trace, for timelines."""
     from minivllm import LLM, SamplingParams
 
-    max_len = long_prompt_len + 64
+    w = LongPromptAmongChats(num_chats=num_chats, chat_prompt_len=chat_prompt_len,
+                             long_prompt_len=long_prompt_len, steady_steps=steady_steps, seed=seed)
     if llm is None:
-        llm = LLM(model, show_progress=False, max_model_len=max(max_len, 1024), **scheduler_kwargs)
+        llm = LLM(model, show_progress=False, max_model_len=max(w.max_model_len, 1024),
+                  **scheduler_kwargs)
     engine = llm.llm_engine
-    rng = random.Random(seed)
-    vocab = list(range(100, 30000))
-    chat = SamplingParams(temperature=0, max_tokens=max_len - chat_prompt_len, ignore_eos=True)
-    chat_ids = [f"chat-{i}" for i in range(num_chats)]
-    for rid in chat_ids:
-        engine.add_request(rid, {"prompt_token_ids": rng.sample(vocab, chat_prompt_len)}, chat)
+    chat_prompts, long_ids = w.prompts()
+    chat = SamplingParams(temperature=0, max_tokens=w.chat_max_tokens, ignore_eos=True)
+    chat_ids = w.chat_ids()
+    for rid, prompt in zip(chat_ids, chat_prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, chat)
     latest: dict[str, object] = {}
 
     def step():
@@ -71,9 +75,9 @@ def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len:
     arrival = time.time()
     steps = 0
     if control_steps is None:
-        long_ids = [rng.choice(vocab) for _ in range(long_prompt_len)]
         engine.add_request("long", {"prompt_token_ids": long_ids},
-                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                           SamplingParams(temperature=0, max_tokens=w.long_output_len,
+                                          ignore_eos=True),
                            arrival_time=arrival)
         while "long" not in latest:
             step()

@@ -9,36 +9,39 @@ its own copy.
 
 from __future__ import annotations
 
-import random
 import time
 
 from minivllm.benchmarks.common import machine_info, write_json
 from minivllm.benchmarks.long_prompt import limits_line, measured_limits, save_plot
+from minivllm.benchmarks.workloads import SHARED_PREFIX_CPU, SharedPrefix
+from minivllm.config import EngineArgs
 from minivllm.utils import cdiv
 
 
 def add_parser(subparsers, add_engine_args) -> None:
     p = subparsers.add_parser("shared-prefix", help="TTFT and KV blocks with/without prefix caching")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--question-len", type=int, default=24)
-    p.add_argument("--output-len", type=int, default=8)
+    w = SHARED_PREFIX_CPU
+    p.add_argument("--num-requests", type=int, default=w.num_requests)
+    p.add_argument("--prefix-len", type=int, default=w.prefix_len)
+    p.add_argument("--question-len", type=int, default=w.suffix_len)
+    p.add_argument("--output-len", type=int, default=w.output_len)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: each request's TTFT and the KV blocks in use, caching on/off")
     p.add_argument("--model", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=w.seed)
     p.set_defaults(func=main)
 
 
 def run_once(model, caching: bool, prompts: list[list[int]], output_len: int, **engine_args) -> dict:
-    """All ``prompts`` arrive at once; a KV cache big enough for every one of them, unshared.
+    """All ``prompts`` arrive at once (``SharedPrefix.prompts()``, or any others); a KV cache of
+    the default block size, big enough for every one of them unshared.
 
     ``engine_args`` go to ``LLM`` (e.g. ``max_num_batched_tokens``).
     """
     from minivllm import LLM
 
-    block_size = 16
+    block_size = EngineArgs.block_size
     max_len = max(len(p) for p in prompts) + output_len
     need = len(prompts) * cdiv(max_len, block_size)
     llm = LLM(model, show_progress=False, enable_prefix_caching=caching, num_kv_blocks=need + 16,
@@ -83,15 +86,13 @@ def run_all_at_once(llm, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def main(args) -> int:
-    rng = random.Random(args.seed)
-    vocab = list(range(100, 30000))
-    prefix = [rng.choice(vocab) for _ in range(args.prefix_len)]
-    prompts = [prefix + [rng.choice(vocab) for _ in range(args.question_len)]
-               for _ in range(args.num_requests)]
+    prompts = SharedPrefix(num_requests=args.num_requests, prefix_len=args.prefix_len,
+                           suffix_len=args.question_len, output_len=args.output_len,
+                           seed=args.seed).prompts()
     on = run_once(args.model, True, prompts, args.output_len)
     off = run_once(args.model, False, prompts, args.output_len)
     same = on.pop("outputs") == off.pop("outputs")
-    block = 16
+    block = EngineArgs.block_size
     own = cdiv(args.prefix_len + args.question_len + args.output_len, block) - args.prefix_len // block
     expected = args.prefix_len // block + args.num_requests * own
     print(f"{args.num_requests} requests sharing a {args.prefix_len}-token prefix "

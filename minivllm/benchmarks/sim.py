@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 
 from minivllm.benchmarks.common import write_json
+from minivllm.benchmarks.workloads import LONG_PROMPT_GPU, SHARED_PREFIX_GPU
 
 
 def add_parser(subparsers, add_engine_args) -> None:
     p = subparsers.add_parser("sim", help="production-scale scenarios on the simulated engine")
-    p.add_argument("--long-prompt-len", type=int, default=16384)
-    p.add_argument("--num-decoding", type=int, default=64)
+    p.add_argument("--long-prompt-len", type=int, default=LONG_PROMPT_GPU.long_prompt_len)
+    p.add_argument("--num-decoding", type=int, default=LONG_PROMPT_GPU.num_chats)
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
-    p.add_argument("--num-sessions", type=int, default=1000)
-    p.add_argument("--system-prompt-len", type=int, default=30000)
+    p.add_argument("--num-sessions", type=int, default=SHARED_PREFIX_GPU.num_requests)
+    p.add_argument("--system-prompt-len", type=int, default=SHARED_PREFIX_GPU.prefix_len)
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
@@ -31,11 +32,10 @@ def main(args) -> int:
     print(f"cost model: {cm.name}; ridge point ~{cm.ridge_tokens:.0f} tokens/step; "
           f"KV {cm.kv_bytes_per_token / 1024:.0f} KiB/token (simulated times)")
     start = time.perf_counter()
-    stall = {"v0": long_prompt_stall("v0", num_decoding=args.num_decoding,
-                                     long_prompt_len=args.long_prompt_len)}
+    sizes = dict(num_chats=args.num_decoding, long_prompt_len=args.long_prompt_len)
+    stall = {"v0": long_prompt_stall("v0", **sizes)}
     for c in args.chunk_sizes:
-        stall[f"v1-{c}"] = long_prompt_stall("v1", chunk_size=c, num_decoding=args.num_decoding,
-                                             long_prompt_len=args.long_prompt_len)
+        stall[f"v1-{c}"] = long_prompt_stall("v1", chunk_size=c, **sizes)
     print(f"\n(a) {args.num_decoding} requests decoding, a {args.long_prompt_len}-token prompt arrives")
     print(f"{'scheduler':>10} {'steady TPOT':>12} {'P50':>9} {'P99':>9} {'P99/steady':>11} "
           f"{'long TTFT':>10}")
@@ -43,8 +43,7 @@ def main(args) -> int:
         print(f"{name:>10} {r['steady_tpot_ms']:10.1f}ms {r['window_tpot_p50_ms']:7.1f}ms "
               f"{r['window_tpot_p99_ms']:7.1f}ms {r['p99_over_steady']:10.1f}x "
               f"{r['long_prompt_ttft_s']:9.2f}s")
-    shared = shared_system_prompt(num_sessions=args.num_sessions,
-                                  system_prompt_len=args.system_prompt_len)
+    shared = shared_system_prompt(num_sessions=args.num_sessions, prefix_len=args.system_prompt_len)
     print(f"\n(b) {args.num_sessions} sessions share a {args.system_prompt_len}-token system prompt "
           "(prefix caching on)")
     print(f"  busiest moment: {shared['sessions_alive_at_peak']} sessions alive, "
