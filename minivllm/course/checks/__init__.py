@@ -7,12 +7,13 @@ what came back when it does not. Every checker goes through one harness
 (``minivllm.course.grading.Exercise``): a component that is, or reaches, the package's own answer
 raises ``Delegated`` (a ``CheckFailed``) naming the route. 5.2 and 11.1 draw their settings when
 they grade; 11.2 grades an engine assembled from the learner's own sampler, scheduler and block
-pool against the package's engine.
+pool against the package's engine; 5.3 and 7.3 (``design``) grade goals by the engine's behaviour.
 """
 
 from minivllm.course.checks.allocation import check_allocate_slots
 from minivllm.course.checks.capstone import check_goodput_tuner, check_own_engine
 from minivllm.course.checks.common import CheckFailed, Delegated
+from minivllm.course.checks.design import check_overlap_core, check_priority_scheduler
 from minivllm.course.checks.detokenizer import check_detokenizer
 from minivllm.course.checks.engine_core import check_busy_loop
 from minivllm.course.checks.generation import check_cached_generation
@@ -32,39 +33,4 @@ from minivllm.course.checks.serving import check_benchmark_metrics, check_chat_s
 from minivllm.course.checks.tp import check_qkv_sharding, check_row_parallel_linear
 from minivllm.course.checks.tuning import check_chunking_choice
 
-__all__ = [
-    "CheckFailed",
-    "Delegated",
-    "check_rms_norm",
-    "check_rotary",
-    "check_gqa_attention",
-    "check_sampler",
-    "check_cached_generation",
-    "check_slot_mapping",
-    "check_allocate_slots",
-    "check_paged_attention",
-    "check_phase_separated_scheduler",
-    "check_unified_scheduler",
-    "check_chunking_choice",
-    "check_block_hashes",
-    "check_block_pool",
-    "check_busy_loop",
-    "check_detokenizer",
-    "check_chat_stream",
-    "check_benchmark_metrics",
-    "check_bias_add",
-    "check_row_sums",
-    "check_tiled_matmul",
-    "check_fused_add_rms_norm",
-    "check_online_softmax",
-    "check_online_softmax_kernel",
-    "check_paged_decode",
-    "check_split_decode",
-    "check_persistent_batch",
-    "check_graph_runner",
-    "check_capture_sizes",
-    "check_goodput_tuner",
-    "check_own_engine",
-    "check_row_parallel_linear",
-    "check_qkv_sharding",
-]
+__all__ = ["CheckFailed", "Delegated"] + sorted(n for n in dir() if n.startswith("check_"))
