@@ -1,23 +1,7 @@
-"""Chapter 11's tools: the ablation ladder served and measured, the simulator calibrated from an
-engine's measured steps, and the simulated serving runs that Exercise 11.1 tunes.
-
-* ``RUNGS``: the ablation ladder, one set of ``minivllm serve`` flags per rung, each adding one
-  thing to the rung before; ``rung_settings`` says what a set resolves to on a device.
-* ``serve_and_bench`` (``start_server`` then ``bench_server``): start ``minivllm serve`` with a
-  rung's flags, drive it with ``bench serve``'s client (``bench_url``), stop it: one rung's
-  figures. ``serving_in_thread``: the same server app and flags on a thread of this process
-  (what a CPU can afford in a notebook).
-* ``first_layers``: a model's first few layers, for CPU runs that must stay short.
-* ``cost_model_for`` / ``step_work`` / ``calibrate``: the simulator's roofline cost model for
-  any checkpoint's shape on any device; the work of every step an engine traced; the cost
-  model's step overhead, MFU and MBU fitted to those steps' measured times.
-* ``sim_long_prompt`` / ``sim_shared_prefix``: chapters 04-06's scenarios on the simulated
-  engine, step for step as ``minivllm bench long-prompt`` and ``bench shared-prefix`` run them
-  on a real one (``run_all_at_once``: the latter on an engine already loaded), so the two can
-  be overlaid.
-* ``ServingWorkload`` / ``simulate_at_rate`` / ``evaluate_goodput``: requests arriving as a
-  Poisson process on the simulated engine; goodput, the highest request rate at which the P99
-  time to first token and the P99 inter-token latency stay within their targets.
+"""Chapter 11's tools: the ablation ladder (``RUNGS``) served and measured (``serve_and_bench``,
+``serving_in_thread``), the simulator's cost model calibrated from an engine's measured steps
+(``calibrate``), chapters 04-06's scenarios on the simulated engine (``sim_long_prompt``,
+``sim_shared_prefix``), and the simulated serving runs Exercise 11.1 tunes (``evaluate_goodput``).
 """
 
 from __future__ import annotations

@@ -11,12 +11,8 @@ between two marker lines; the BEGIN line says what the learner must do::
 The generated notebook keeps everything else and replaces each marked block by
 ``raise NotImplementedError("Exercise 1.1: ...")`` at the BEGIN line's indentation, so the
 unsolved notebook fails exactly where work is missing (never silently, as ``pass`` would).
-Cells tagged ``solution-only`` (remarks about the solution) are left out.
-Outputs and execution counts are cleared: nbval then runs every cell but compares no output,
-so a solved exercise notebook passes whatever the learner prints.
-
-A cell tagged ``solution-only`` (a remark about the solution's own code, such as how it differs
-from the package's) stays in ``solutions/`` and is left out of the exercise notebook.
+Cells tagged ``solution-only`` (remarks about the solution) are left out. Outputs and execution
+counts are cleared: nbval runs every cell but compares no output.
 
 Exercise numbers are checked: "N.M" where N is the notebook's chapter number and M counts
 1, 2, 3... in order (one exercise may span several consecutive blocks).

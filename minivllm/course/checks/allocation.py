@@ -1,21 +1,12 @@
 """Checker for chapter 03's exercise 3.1: a request's block table growing, ``allocate_slots``.
 
-The learner subclasses ``KVCacheManager`` and writes ``allocate_slots(request, num_new_tokens,
-num_new_computed_tokens=0, new_computed_blocks=None)``. Prefix caching is off for this exercise:
-the scheduler never passes a cache hit, so the last two arguments are 0 and empty (they are
-accepted, as the scheduler's calls name them; chapter 06 is where they matter).
-
-Two stages, both with the package's own ``KVCacheManager.allocate_slots`` refused by the grading
-harness (a class that calls it, through ``super()`` or by not overriding it, fails saying so):
-
-* small scenarios and a random sequence of grow / free / run-out calls on a bare manager,
-  each compared with the rule (how many blocks, refused or not, what the pool has left), with a
-  hint for each classic mistake: rounding down, allocating past the free blocks (or part of
-  the blocks before refusing), counting all the blocks a request needs instead of the new ones;
-* the real engine on the check model (``common.check_model_path``) with the learner's class as
-  its KV cache manager, on a random workload with too few blocks for it (requests grow, finish,
-  free, get preempted): the blocks every request holds after every step, the free blocks, and
-  every greedy output must equal the package's.
+The learner's ``KVCacheManager`` subclass writes ``allocate_slots`` (prefix caching off: the
+last two arguments are 0 and empty). Small scenarios and random grow / free / run-out calls on
+a bare manager are compared with the rule, with a hint for each classic mistake (rounding down,
+allocating past the free blocks or partly before refusing, counting all the blocks instead of
+the new ones); then the real engine with too few blocks (requests grow, finish, get preempted):
+every step's block tables, the free blocks and every greedy output must be the package's. The
+package's ``allocate_slots`` is refused (called, inherited or through ``super()``).
 """
 
 from __future__ import annotations

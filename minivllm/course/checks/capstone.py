@@ -1,20 +1,13 @@
 """Exercise 11.1: tune the scheduler for goodput under P99 targets, graded on the simulator.
 
-The learner writes ``tune(evaluate, targets) -> config``: a search over the three knobs
-(``max_num_batched_tokens``, ``long_prefill_token_threshold``, ``max_num_seqs``) that may call
-``evaluate(config)`` at most ``MAX_EVALUATIONS`` times. ``evaluate`` runs the chapter's
-workload on the simulated engine (the real scheduler and block manager, the cost model of
-Llama-3-8B on an H100) and returns the config's goodput: the highest request rate of
-``GOODPUT_RATES`` at which the P99 time to first token and the P99 inter-token latency both
-stay within ``targets`` (``minivllm.course.capstone.evaluate_goodput``).
+``tune(evaluate, targets) -> config`` searches ``max_num_batched_tokens``,
+``long_prefill_token_threshold`` and ``max_num_seqs``, calling ``evaluate(config)`` (goodput on
+the simulated engine, ``capstone.evaluate_goodput``) at most ``MAX_EVALUATIONS`` times. The
+targets are drawn when grading (``DRAWS``), so no table of answers passes; a choice passes when
+its goodput reaches the grader's own sweep's. A choice that falls short is told which target it
+misses at the next rate up, never which choice does better.
 
-The grader draws the targets when it grades (``DRAWS`` sets: a tight inter-token target, a
-loose one and one between; a fresh draw unless a seed is given), so no table of answers keyed on
-the targets passes, and no fixed choice is right for all of them. For each set it runs the
-learner's tuner and passes it when the choice is a valid config whose goodput reaches that of
-the grader's own search (a sweep of the budget at 64 sequences, then of the number of
-sequences at the best budget, evaluated the same way). A choice that falls short is told
-which target it misses at the next rate up, and by how much, never which choice does better.
+Exercise 11.2 (``check_own_engine``): an engine assembled from the learner's own components.
 """
 
 from __future__ import annotations

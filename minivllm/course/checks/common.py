@@ -8,8 +8,11 @@ always gets the same verdict (and a solved notebook's output never changes).
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 import torch
+
+from minivllm.attention.backend import AttentionBackend
 
 from minivllm.course.grading import (  # noqa: F401 - re-exported: the graders' one vocabulary
     CheckFailed, Delegated, Exercise, fail, first_difference, passed,
@@ -149,6 +152,50 @@ def check_engine():
 def model_runner(llm):
     """The engine's ModelRunner (the engine core runs in this process)."""
     return llm.llm_engine.engine_core.engine_core.model_runner
+
+
+class DecodeBackend(AttentionBackend):
+    """The reference torch attention, except that each step's decodes are computed by
+    ``decode(q [decodes, heads, d], kv_cache, metadata, scale)``: a learner's, in a checker."""
+
+    name = "course-decode"
+
+    def __init__(self, decode) -> None:
+        self.decode = decode
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        from minivllm.attention.torch_backend import paged_prefill_attention, write_to_kv_cache
+
+        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        nd = metadata.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd].contiguous(), kv_cache, metadata, scale)
+        if metadata.num_prefills:
+            qsl = metadata.query_start_loc_cpu
+            base, end = int(qsl[nd]), metadata.num_actual_tokens
+            out[base:end] = paged_prefill_attention(
+                q[base:end], kv_cache, [int(s) - base for s in qsl[nd:]],
+                [int(s) for s in metadata.seq_lens_cpu[nd:]], metadata.block_tables[nd:], scale)
+        return out
+
+
+@contextmanager
+def decodes_through(llm, decode):
+    """While the block runs, every attention layer of ``llm`` decodes through ``decode`` (see
+    ``DecodeBackend``; None: unchanged); afterwards the layers are restored, the KV cache zeroed."""
+    runner = model_runner(llm)
+    layers = runner.model.attention_layers()
+    saved = [layer.backend for layer in layers]
+    try:
+        for layer in layers if decode is not None else ():
+            layer.backend = DecodeBackend(decode)
+        yield runner
+    finally:
+        for layer, backend in zip(layers, saved):
+            layer.backend = backend
+        for cache in runner.kv_caches:  # whatever the learner's code wrote is gone
+            cache.zero_()
 
 
 def greedy_token_ids(llm, prompts: list[str], max_tokens: int = 10) -> list[list[int]]:

@@ -1,17 +1,11 @@
 """Checkers for chapter 07 (the engine core in its own process): the busy loop, 7.1.
 
-``check_busy_loop(proc_cls)``: ``proc_cls(engine_core, output_put)`` is the learner's engine
-core loop, with ``input_queue`` (a ``queue.Queue`` of ``(EngineCoreRequestType, payload)``)
-and ``run_busy_loop()``. It runs on a thread over a fake core that logs every call, and over
-in-memory queues:
-
-* idle, it blocks on the queue: the fake core is not polled while nothing is running;
-* every message waiting when a step ends is handled before the next step (adds, aborts);
-* a utility call is answered between two steps, an unknown method or an exception as an error;
-* every step's outputs reach ``output_put`` with the scheduler's stats; SHUTDOWN ends the loop;
-  an exception in a step is reported as ``engine_error``, then raised;
-
-then it drives the real engine core on the check model: same greedy tokens as ``LLM``.
+``check_busy_loop(proc_cls)``: the learner's loop (``input_queue``, ``run_busy_loop()``) runs
+on a thread over a fake core that logs every call: idle, it blocks on the queue; messages
+waiting when a step ends are handled before the next; utility calls are answered between steps
+(errors as errors); outputs reach ``output_put`` with the stats; SHUTDOWN ends the loop; a
+step's exception is reported as ``engine_error``, then raised. Then it drives the real engine
+core on the check model: the same greedy tokens as ``LLM``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Checker for chapter 02's exercise 2.2: a generation loop with a KV cache.
 
-The learner writes ``generate_with_cache(model, prompt_ids, n, block_size) -> n token ids``,
-greedy, the way the chapter describes it: the prompt computed once (prefill), then one forward
-per new token that feeds only that token (decode), the earlier tokens' keys and values read
-from the cache.
-
-On the check model (``common.check_model_path``, a tiny Llama), for random prompts, lengths and
-block sizes, the checker compares the tokens with the package's greedy generation (which
-equals recomputing the whole sequence for every token, without a cache), and records every
-forward pass the loop makes (its tokens and positions): exactly one prefill of the whole prompt
-at positions 0..P-1, then one token per step at position P, P+1, ... Anything else (no cache,
-a prompt fed token by token, a wrong position) fails, saying which forward broke the rule.
-
-The package's own loop (``minivllm.model.standalone.greedy_generate``, which the chapter runs) is
-refused by the grading harness, however it is reached.
+``generate_with_cache(model, prompt_ids, n, block_size) -> n token ids``, greedy. On the check
+model, for random prompts, lengths and block sizes, the tokens must equal the package's greedy
+generation, and the recorded forward passes must be one prefill of the whole prompt at
+positions 0..P-1, then one token per step at P, P+1, ...; anything else (no cache, a prompt fed
+token by token, a wrong position) fails naming the forward. The package's own loop
+(``minivllm.model.standalone.greedy_generate``) is refused.
 """
 
 from __future__ import annotations

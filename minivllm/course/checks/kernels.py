@@ -1,19 +1,13 @@
 """Checkers for chapter 09 (Triton kernels): three warm-up puzzles (a 2-D grid, a tiled
-reduction, a tiled ``tl.dot``), then the pieces of the real kernels: fused add + RMSNorm, the
+reduction, a tiled ``tl.dot``), then pieces of the real kernels: fused add + RMSNorm, the
 online-softmax update, the block-table tile load, the split-K reduction.
 
-Each learner kernel is reached through a small Python function the exercise notebook gives
-(its launcher), so a checker only calls tensors in, tensors out; the grading cell also passes
-the learner's ``@triton.jit`` piece, and the checker makes sure it ran. Cases are tiny (the
-kernels run in Triton's interpreter on a CPU), drawn at grading time (a failure names the seed
-that repeats it) and awkward: rows whose width is not a power of two, contexts that end inside
-a block and inside a tile, block tables in random order and longer than needed, more partitions
-than a short sequence fills. Then the learner's kernel replaces the package's inside the engine,
-on a tiny random-weight Llama (two layers, 4 query heads over 2 KV heads), and the greedy tokens
-must be the reference engine's, token for token.
-
-A launcher or kernel that hands the work to the package's own kernels (``minivllm.kernels``) or
-to its torch references fails, however it got hold of them (``grading.Exercise``).
+Each kernel is reached through the launcher the notebook gives; the checker makes sure the
+learner's ``@triton.jit`` piece ran. Cases are small, drawn at grading time (a failure names the
+seed) and awkward (widths not a power of two, contexts ending inside a block, shuffled block
+tables, partitions a short sequence never fills); then the kernel runs inside the engine on a
+tiny Llama, whose greedy tokens must be the reference's. The package's kernels, launchers and
+torch references are refused however they are reached (``grading.Exercise``).
 """
 
 from __future__ import annotations
@@ -28,13 +22,10 @@ from contextlib import contextmanager
 
 import torch
 
-from minivllm.attention.backend import AttentionBackend
-from minivllm.attention.torch_backend import (
-    paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
-)
+from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
-    CheckFailed, Exercise, compare_tensors, fail, first_difference, greedy_token_ids, model_runner,
-    passed, write_tiny_checkpoint,
+    CheckFailed, Exercise, compare_tensors, decodes_through, fail, first_difference,
+    greedy_token_ids, model_runner, passed, write_tiny_checkpoint,
 )
 from minivllm.course.grading import _triton_fn
 from minivllm.model.layers import rms_norm as reference_rms_norm
@@ -43,12 +34,10 @@ from minivllm.model.layers import rms_norm as reference_rms_norm
 
 KERNEL_MODULES = ("rms_norm", "attention_tile", "decode_attention", "prefill_attention",
                   "activation", "rotary_embedding", "reshape_and_cache")
-TORCH_REFERENCES = (  # the package's plain-torch versions of what chapter 09's exercises write
-    "minivllm.attention.torch_backend:paged_decode_attention",
-    "minivllm.attention.torch_backend:paged_prefill_attention",
-    "minivllm.attention.torch_backend:gather_context", "minivllm.attention.torch_backend:gather_blocks",
-    "minivllm.attention.torch_backend:attend_group",
-    "minivllm.attention.torch_backend:attend_decodes_by_rows", "minivllm.model.layers:rms_norm")
+TORCH_REFERENCES = tuple(  # the package's plain-torch versions of what the exercises write
+    f"minivllm.attention.torch_backend:{name}" for name in (
+        "paged_decode_attention", "paged_prefill_attention", "gather_context", "gather_blocks",
+        "attend_group", "attend_decodes_by_rows")) + ("minivllm.model.layers:rms_norm",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,52 +174,22 @@ def _compare_in_engine(exercise: str, what: str, got: list[list[int]]) -> None:
                            f"output goes wrong at token {first}: expected {list(e)}, got {list(g)}")
 
 
-class DecodeKernelBackend(AttentionBackend):
-    """The reference torch attention, except that the decodes of each step are computed by
-    ``decode(q, kv_cache, block_tables, seq_lens, scale)`` — a learner's kernel, in a checker."""
-
-    name = "decode-kernel"
-
-    def __init__(self, decode, exercise: str) -> None:
-        self.decode, self.exercise = decode, exercise
-
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        nd = metadata.num_decodes
-        if nd:
-            got = self.decode(q[:nd].contiguous(), kv_cache, metadata.block_tables[:nd].contiguous(),
-                              metadata.seq_lens[:nd].contiguous(), scale)
-            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(q[:nd].shape):
-                fail(self.exercise, f"inside the engine, decode attention of {nd} sequences returned "
-                                    f"{getattr(got, 'shape', type(got).__name__)}, expected a tensor "
-                                    f"of shape {tuple(q[:nd].shape)}")
-            out[:nd] = got
-        if metadata.num_prefills:
-            qsl = metadata.query_start_loc_cpu
-            base, end = int(qsl[nd]), metadata.num_actual_tokens
-            out[base:end] = paged_prefill_attention(
-                q[base:end], kv_cache, [int(s) - base for s in qsl[nd:]],
-                [int(s) for s in metadata.seq_lens_cpu[nd:]], metadata.block_tables[nd:], scale)
-        return out
-
-
 def _decode_in_engine(exercise: str, what: str, decode) -> None:
+    """The tiny Llama's decodes through ``decode(q, kv_cache, block_tables, seq_lens, scale)``."""
+    def batched(q, kv_cache, meta, scale):
+        nd = len(q)
+        got = decode(q, kv_cache, meta.block_tables[:nd].contiguous(),
+                     meta.seq_lens[:nd].contiguous(), scale)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(q.shape):
+            fail(exercise, f"inside the engine, decode attention of {nd} sequences returned "
+                           f"{getattr(got, 'shape', type(got).__name__)}, expected a tensor of "
+                           f"shape {tuple(q.shape)}")
+        return got
+
     llm = tiny_engine()
     _reference_tokens()
-    runner = model_runner(llm)
-    layers = runner.model.attention_layers()
-    saved = [layer.backend for layer in layers]
-    backend = DecodeKernelBackend(decode, exercise)
-    try:
-        for layer in layers:
-            layer.backend = backend
+    with decodes_through(llm, batched):
         got = _greedy(llm)
-    finally:
-        for layer, b in zip(layers, saved):
-            layer.backend = b
-        for cache in runner.kv_caches:
-            cache.zero_()
     _compare_in_engine(exercise, what, got)
 
 

@@ -10,13 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minivllm.attention.backend import AttentionBackend
-from minivllm.attention.torch_backend import (
-    paged_decode_attention, paged_prefill_attention, write_to_kv_cache,
-)
+from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, Exercise, check_engine, close, compare_generations, compare_tensors, fail,
-    greedy_token_ids, model_runner, passed,
+    ENGINE_PROMPTS, Exercise, check_engine, close, compare_generations, compare_tensors,
+    decodes_through, fail, greedy_token_ids, passed,
 )
 from minivllm.course.checks.model import gqa_hint
 from minivllm.worker.block_table import compute_slot_mapping as reference_slot_mapping
@@ -117,51 +114,24 @@ def _paged_hint(got, q, cache, table, seq_len, block_size, scale) -> str | None:
     return gqa_hint(got[None], q[None], k, v, scale, causal=False) if q.shape[0] != k.shape[1] else None
 
 
-class DecodeWithBackend(AttentionBackend):
-    """The reference torch backend, except that each decode's attention is computed by
-    ``paged_attention(q, kv_cache, block_table, seq_len, scale)`` — a learner's, in a checker."""
-
-    name = "decode-with"
-
-    def __init__(self, paged_attention) -> None:
-        self.paged_attention = paged_attention
-
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        nd = metadata.num_decodes
-        for i in range(nd):
-            out[i] = self.paged_attention(q[i], kv_cache, metadata.block_tables[i].long(),
-                                          metadata.seq_lens_cpu[i], scale)
-        if metadata.num_prefills:
-            qsl = metadata.query_start_loc_cpu
-            base, end = qsl[nd], metadata.num_actual_tokens
-            out[base:end] = paged_prefill_attention(
-                q[base:end], kv_cache, [s - base for s in qsl[nd:]], metadata.seq_lens_cpu[nd:],
-                metadata.block_tables[nd:], scale)
-        return out
-
-
 def _check_in_engine(exercise: str, what: str, slot_mapping=None, attention=None) -> None:
     llm = check_engine()
-    runner = model_runner(llm)
-    layers = runner.model.attention_layers()
     expected = greedy_token_ids(llm, ENGINE_PROMPTS)
-    saved = [layer.backend for layer in layers]
-    try:
-        if slot_mapping is not None:
-            runner.prepare_inputs = _with_slot_mapping(runner, slot_mapping)
-        if attention is not None:
-            backend = DecodeWithBackend(attention)
-            for layer in layers:
-                layer.backend = backend
-        got = greedy_token_ids(llm, ENGINE_PROMPTS)
-    finally:
-        runner.__dict__.pop("prepare_inputs", None)
-        for layer, backend in zip(layers, saved):
-            layer.backend = backend
-        for cache in runner.kv_caches:  # whatever the learner's code wrote is gone
-            cache.zero_()
+
+    def decode(q, kv_cache, meta, scale):
+        out = torch.empty_like(q)
+        for i in range(len(q)):
+            out[i] = attention(q[i], kv_cache, meta.block_tables[i].long(), meta.seq_lens_cpu[i],
+                               scale)
+        return out
+
+    with decodes_through(llm, decode if attention is not None else None) as runner:
+        try:
+            if slot_mapping is not None:
+                runner.prepare_inputs = _with_slot_mapping(runner, slot_mapping)
+            got = greedy_token_ids(llm, ENGINE_PROMPTS)
+        finally:
+            runner.__dict__.pop("prepare_inputs", None)
     compare_generations(exercise, f"with your {what}", llm, ENGINE_PROMPTS, got, expected)
 
 

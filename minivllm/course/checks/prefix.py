@@ -1,16 +1,11 @@
 """Checkers for chapter 06 (prefix caching): the block hash chain, the block pool.
 
-6.1 ``check_block_hashes(hash_block_tokens, update_block_hashes)``: the learner's hash must be
-deterministic across processes (Python's ``hash()`` is not), cover the parent's hash, the
-block's tokens and its extra keys, and the chain must put the cache salt in the first block's
-extra keys only. Then the engine names blocks with it: prefix-cache hits and greedy outputs
-must be the reference's.
-
-6.2 ``check_block_pool(block_pool_cls)``: small scenarios with a hint for each classic mistake,
-then randomised workloads on the simulated engine (the real scheduler and KV cache manager)
-with the learner's pool and the reference's side by side, every call and every step checked
-against the KV cache rules of ``minivllm.testing``; then the real engine on the check model, built with
-``LLM(block_pool_cls=...)``: same outputs, same hits as with the reference pool.
+6.1 ``check_block_hashes``: deterministic across processes (not Python's ``hash()``), covering
+the parent's hash, the tokens and the extra keys, the cache salt in block 0 only; then the
+engine's prefix-cache hits and greedy outputs with it must be the reference's.
+6.2 ``check_block_pool``: scenarios with a hint for each classic mistake, random workloads on
+the simulated engine beside the reference pool (every step checked against the KV cache rules
+of ``minivllm.testing``), then the real engine built with ``LLM(block_pool_cls=...)``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Checkers for chapters 04 and 05: a learner's ``schedule()`` running the real engine.
 
-The learner subclasses ``Scheduler`` and writes ``schedule()``. The checker swaps that class
-into an engine on the check model (``minivllm.course.swap``) and replays a workload in
-which requests arrive at fixed steps. Two things are checked:
-
-* behaviour, step by step: a probe subclass of the learner's class looks at the queues before
-  each ``schedule()`` and at what it returned, and fails at the first step that breaks the
-  policy (phases mixed, budget exceeded, the wrong request preempted, ...), naming the step,
-  what it scheduled and the rule;
-* the result: every request's greedy output must equal what the package's own scheduler
-  produces on the same workload.
-
-The learner writes admission and preemption, so the grading harness refuses the package's own
-scheduling helpers: a class that reaches ``_try_admit``, ``_allocate_or_preempt`` (or, in 5.1,
-``_preempt``), the package's ``schedule()`` or its v0 scheduler fails, naming the helper and
-what to use instead.
-
-Any implementation of the policy passes; only what the engine can observe is checked.
+The learner's ``Scheduler`` subclass is swapped into an engine on the check model
+(``minivllm.course.swap``) and replays a workload whose requests arrive at fixed steps. A probe
+subclass checks each step against the policy (phases mixed, budget exceeded, the wrong request
+preempted, ...), naming the step and the rule; every greedy output must equal the package
+scheduler's. The package's scheduling helpers (``_try_admit``, ``_allocate_or_preempt``, in 5.1
+``_preempt``, its ``schedule()``, its v0 scheduler) are refused. Any implementation of the
+policy passes; only what the engine can observe is checked.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Checkers for chapter 08 (serving, and measuring a server).
 
-8.1 ``check_chat_stream(chat_stream)``: the learner's ``async def chat_stream(request_id, model,
-outputs, include_usage)`` writes the server-sent events of ``/v1/chat/completions``. A real
-``minivllm`` server (the bundled model, engine core in-process) runs it, and the official
-``openai`` client streams from it: role chunk first, the content deltas adding up to the
-non-streamed answer, the finish reason, the usage chunk, ``[DONE]``.
-
-8.2 ``check_benchmark_metrics(benchmark_metrics)``: the learner's function turns raw client
-timestamps into TTFT, TPOT, ITL and end-to-end latency (mean, median, P99), throughput and
-goodput under SLOs; on random traces it must give what ``minivllm bench serve`` computes
-(``RequestResult.from_timestamps`` and ``summarize`` in ``minivllm/benchmarks/serve.py``).
+8.1 ``check_chat_stream``: the learner's server-sent events of ``/v1/chat/completions`` run in
+a real server, and the ``openai`` client streams from it: role chunk first, deltas adding up to
+the non-streamed answer, the finish reason, the usage chunk, ``[DONE]``.
+8.2 ``check_benchmark_metrics``: raw client timestamps to TTFT, TPOT, ITL, latency, throughput
+and goodput; on random traces it must give what ``minivllm bench serve`` computes.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Checkers for chapter 12: tensor parallelism.
 
-* 12.1, the row-parallel linear layer (``weight_loader`` and ``forward``), runs on two real
-  ranks: two processes joined in a gloo process group, each building the learner's layer as its
-  rank, loading the full weight through the learner's ``weight_loader`` and running ``forward``
-  on its slice of the input. Both ranks must return ``x @ W.T + b`` of the unsharded
-  ``nn.Linear``. The processes are forked (Linux), so a class defined in a notebook cell reaches
-  them as it is, without being imported or pickled; each rank runs with one torch thread, its
-  printed output is collected and shown, and it ends with ``os._exit``.
-* 12.2, sharding q/k/v by heads, loads a real tiny Llama at tensor-parallel size 2 (and 4) with
-  the learner's shards in its ``qkv_proj`` and checks that its logits equal the unsharded
-  model's. The ranks are emulated in one process: one thread per rank, each running its rank's
-  model (built as that rank: its heads, its MLP features, its vocabulary range), and the
-  collectives between them (the all-reduce after ``o_proj``, ``down_proj`` and the embedding,
-  the all-gather of the logits) done in memory, in rank order, at a barrier. The model code is
-  the engine's, unchanged; only the transport differs from the engine's gloo process group. It
-  is a few milliseconds instead of a second or two of process start-up per case.
+* 12.1, the row-parallel linear layer (``weight_loader``, ``forward``), runs on two real ranks:
+  forked processes in a gloo group (a class defined in a notebook cell reaches them as it is),
+  each loading the full weight through the learner's loader and running its input slice; both
+  must return the unsharded ``x @ W.T + b``.
+* 12.2, sharding q/k/v by heads, loads a tiny Llama at tensor-parallel size 2 and 4 with the
+  learner's shards; its logits must equal the unsharded model's. The ranks are emulated in one
+  process (a thread per rank, the collectives done in memory at a barrier); the model code is
+  the engine's, unchanged.
 
-While the learner's code runs, the package's own answer is unavailable: ``RowParallelLinear``'s
-``forward`` and ``weight_loader`` for 12.1; ``kv_head_partition`` and the q/k/v weight loaders
-for 12.2. A learner's code that calls them fails, saying why.
+The package's own answer (``RowParallelLinear``'s methods; ``kv_head_partition`` and the q/k/v
+weight loaders) is refused while the learner's code runs.
 """
 
 from __future__ import annotations

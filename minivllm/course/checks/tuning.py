@@ -1,20 +1,11 @@
 """Checker for chapter 05's exercise 5.2: choose the chunking knobs, graded on the simulator.
 
-The learner writes ``choose_chunking(evaluate, tpot_limit_ms) -> choice``: it picks
-``max_num_batched_tokens`` and ``long_prefill_token_threshold`` for the best mean time to first
-token (TTFT) while the P99 time per output token (TPOT: the gaps between a request's consecutive
-tokens) stays within ``tpot_limit_ms``, on chapter 11's serving workload (chats and, now and
-then, a long document; ``capstone.chat_and_documents``) arriving at some rate on the simulated
-engine: the real v1 scheduler and block manager, the cost model of Llama-3-8B on one H100
-(``minivllm.sim``). ``evaluate(budget, threshold)`` runs one choice through the same
-``capstone.simulate_at_rate`` that grades chapter 11's tuner.
-
-The grader draws the arrival rate and the TPOT limit when it grades (``DRAWS`` settings, each a
-fresh draw unless a seed is given), so no fixed choice and no table of answers passes: for
-each, it runs the learner's function, checks the limit, and runs a grid search itself
-(``GRID``, 26 choices, a second or two): the choice passes when its mean TTFT is within
-``MARGIN`` of the grid's best under the limit. A failure says what the learner's choice
-measured and how far it is from the best, never which choice the best is.
+``choose_chunking(evaluate, tpot_limit_ms) -> choice`` picks ``max_num_batched_tokens`` and
+``long_prefill_token_threshold`` for the best mean TTFT with the P99 TPOT within the limit, on
+chapter 11's serving workload on the simulated engine (``evaluate`` runs one choice through
+``capstone.simulate_at_rate``). The rate and the limit are drawn when grading (``DRAWS``); the
+choice passes within ``MARGIN`` of the best of the grader's grid search (``GRID``). A failure
+says what the choice measured and how far it is from the best, never which choice the best is.
 """
 
 from __future__ import annotations
