@@ -29,11 +29,12 @@ def test_each_step_waits_for_the_last_steps_copies_before_writing_its_buffers(ti
     """A prompt of four chunks: three steps sample nothing (no host sync ends them), yet every
     step must wait for the previous step's copies before its buffers are written again."""
     from minivllm import LLM, SamplingParams
+    from minivllm.testing import model_runner
     from minivllm.worker.model_runner import CopyFence
 
     llm = LLM(tiny_llama, skip_tokenizer_init=True, show_progress=False, max_num_batched_tokens=16,
               max_num_seqs=2, max_model_len=128, num_kv_blocks=32, block_size=8)
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    runner = model_runner(llm)
     runner.copy_fence = CopyFence(torch.device("cuda"), event_factory=FakeEvent)
     original = runner._update_states
 

@@ -24,6 +24,7 @@ import time
 
 from minivllm.benchmarks.common import machine_info, median_time, percentile, sync, write_json
 from minivllm.config import DEFAULT_BATCHED_TOKENS
+from minivllm.testing import engine_core
 from minivllm.utils import cdiv
 
 
@@ -93,7 +94,7 @@ def main(args) -> int:
     llm = LLM(show_progress=False, **kwargs)
     engine = llm.llm_engine
     cfg = engine.config
-    core = engine.engine_core.engine_core
+    core = engine_core(llm)
     runner = core.model_runner
     mc = cfg.model_config.hf_config
 

@@ -592,13 +592,14 @@ def phase_e2e(ctx: Context) -> dict:
 def _step_times(ctx: Context, path: str, configs: dict, batches, steps: int, prompt_len: int,
                 vocab: int) -> dict:
     from minivllm import LLM
+    from minivllm.testing import model_runner
 
     result = {}
     for name, extra in configs.items():
         extra = dict(extra)
         padded = extra.pop("_padded_path", False)
         llm = LLM(path, **ctx.engine_kwargs(**extra))
-        runner = llm.llm_engine.engine_core.engine_core.model_runner
+        runner = model_runner(llm)
         if padded:
             runner.capture_model(capture=False)
         result["weight_bytes"] = sum(p.numel() * p.element_size()
@@ -619,6 +620,7 @@ def phase_cuda_graphs(ctx: Context) -> dict:
     On a CPU the graphs' padded static-buffer path runs without capture (Triton interpreter),
     and the step times are those of the token runs."""
     from minivllm import LLM
+    from minivllm.testing import model_runner
 
     _exact_float32()
     cuda = _cuda()
@@ -631,7 +633,7 @@ def phase_cuda_graphs(ctx: Context) -> dict:
         if not cuda:
             extra.update(attention_backend="triton", custom_ops="none")
         llm = LLM(small, **ctx.engine_kwargs(**extra))
-        runner = llm.llm_engine.engine_core.engine_core.model_runner
+        runner = model_runner(llm)
         if not cuda and name == "graphs":
             runner.capture_model(capture=False)
         used = runner.cuda_graphs is not None

@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 
 from minivllm.benchmarks.common import host_speed, machine_info, write_json
+from minivllm.testing import engine_core
 
 PARTS = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
 OVERHEAD_MODEL = dict(model_type="llama", hidden_size=64, intermediate_size=128,
@@ -76,7 +77,7 @@ class StepClock:
 def instrument(llm) -> StepClock:
     """Wrap the engine's parts (an in-process engine: ``multiprocess=False``)."""
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core
+    core = engine_core(llm)
     runner = core.model_runner
     clock = StepClock()
     clock.wrap(core.scheduler, "schedule", "schedule")

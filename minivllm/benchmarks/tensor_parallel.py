@@ -52,7 +52,9 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], float]:
 
 def executor_of(llm):
     """The executor of an ``LLM`` whose engine core runs in this process."""
-    return llm.llm_engine.engine_core.engine_core.model_executor
+    from minivllm.testing import engine_core
+
+    return engine_core(llm).model_executor
 
 
 @contextmanager
