@@ -12,15 +12,7 @@ from minivllm.core.block_pool import BlockPool
 from minivllm.course.checks.model import _rope_interleaved
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 from minivllm.sample.sampler import Sampler
-
-
-def _fails(check, component, *expected_fragments, error=checks.CheckFailed, **kwargs):
-    with pytest.raises(error) as info:
-        check(component, **kwargs)
-    message = str(info.value)
-    for fragment in expected_fragments:
-        assert fragment in message, message
-    return message
+from tests.course_helpers import fails
 
 
 # -- 1.1 RMSNorm ---------------------------------------------------------------------------------
@@ -41,22 +33,22 @@ def test_rms_norm_through_the_package_module_is_refused():
         norm.weight.data = weight.to(x.dtype)
         return norm(x).detach()
 
-    _fails(checks.check_rms_norm, rms_norm_with_module, "Exercise 1.1", "RMSNorm",
-           "the package's own answer", error=checks.Delegated)
+    fails(checks.check_rms_norm, rms_norm_with_module, "Exercise 1.1", "RMSNorm",
+          "the package's own answer", error=checks.Delegated)
 
 
 def test_rms_norm_without_eps_fails_with_a_hint():
     def no_eps(x, w, eps):
         return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)) * w).to(x.dtype)
 
-    _fails(checks.check_rms_norm, no_eps, "Exercise 1.1", "sqrt(mean(x**2", "add eps inside the sqrt")
+    fails(checks.check_rms_norm, no_eps, "Exercise 1.1", "sqrt(mean(x**2", "add eps inside the sqrt")
 
 
 def test_layer_norm_is_not_rms_norm():
     def layer_norm(x, w, eps):
         return F.layer_norm(x.float(), x.shape[-1:], w.float(), eps=eps).to(x.dtype)
 
-    _fails(checks.check_rms_norm, layer_norm, "expected", "got")
+    fails(checks.check_rms_norm, layer_norm, "expected", "got")
 
 
 def test_rms_norm_returning_float32_for_bfloat16_fails_on_dtype():
@@ -64,7 +56,7 @@ def test_rms_norm_returning_float32_for_bfloat16_fails_on_dtype():
         x = x.float()
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
 
-    _fails(checks.check_rms_norm, keeps_float32, "expected dtype torch.bfloat16")
+    fails(checks.check_rms_norm, keeps_float32, "expected dtype torch.bfloat16")
 
 
 # -- 1.2 rotary ----------------------------------------------------------------------------------
@@ -85,18 +77,18 @@ def test_rotary_through_the_package_module_is_refused():
     def with_module(x, positions, base):
         return RotaryEmbedding(x.shape[-1], int(positions.max()) + 1, base)(positions, x, x)[0]
 
-    _fails(checks.check_rotary, with_module, "RotaryEmbedding", error=checks.Delegated)
+    fails(checks.check_rotary, with_module, "RotaryEmbedding", error=checks.Delegated)
 
 
 def test_interleaved_rotary_fails_naming_the_layout():
-    _fails(checks.check_rotary, _rope_interleaved, "Exercise 1.2", "neox", "adjacent pairs")
+    fails(checks.check_rotary, _rope_interleaved, "Exercise 1.2", "neox", "adjacent pairs")
 
 
 def test_rotary_by_batch_index_instead_of_position_fails_naming_it():
     def by_index(x, positions, base):
         return _rope(x, torch.arange(len(positions)), base)
 
-    _fails(checks.check_rotary, by_index, "positions[t]")
+    fails(checks.check_rotary, by_index, "positions[t]")
 
 
 # -- 1.3 GQA -------------------------------------------------------------------------------------
@@ -107,7 +99,7 @@ def test_gqa_check_refuses_torch_sdpa_the_chapter_cell():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
 
-    _fails(checks.check_gqa_attention, sdpa, "scaled_dot_product_attention", error=checks.Delegated)
+    fails(checks.check_gqa_attention, sdpa, "scaled_dot_product_attention", error=checks.Delegated)
 
 
 def _attention(q, k, v, scale, causal=True, tile=False):
@@ -128,8 +120,8 @@ def _attention(q, k, v, scale, causal=True, tile=False):
     (dict(causal=False), "no causal mask"),
 ])
 def test_gqa_mistakes_fail_naming_them(mistake, hint):
-    _fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, s, **mistake),
-           "Exercise 1.3", "h // (heads // kv_heads)", hint)
+    fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, s, **mistake),
+          "Exercise 1.3", "h // (heads // kv_heads)", hint)
 
 
 def test_gqa_check_passes_an_einsum_attention():
@@ -137,15 +129,15 @@ def test_gqa_check_passes_an_einsum_attention():
 
 
 def test_gqa_ignoring_the_scale_argument_fails():
-    _fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, q.shape[-1] ** -0.5),
-           "use the scale argument")
+    fails(checks.check_gqa_attention, lambda q, k, v, s: _attention(q, k, v, q.shape[-1] ** -0.5),
+          "use the scale argument")
 
 
 # -- 2.1 sampler ---------------------------------------------------------------------------------
 
 def test_sampler_check_refuses_the_reference_sampler_and_a_bare_subclass():
     for cls in (Sampler, type("MySampler", (Sampler,), {})):
-        _fails(checks.check_sampler, cls, "minivllm.sample.sampler.Sampler", error=checks.Delegated)
+        fails(checks.check_sampler, cls, "minivllm.sample.sampler.Sampler", error=checks.Delegated)
 
 
 class _RowSampler(torch.nn.Module):
@@ -210,7 +202,7 @@ def test_a_multinomial_sampler_passes(capsys):
     (dict(use_own_generators=False), "meta.generators[row]"),
 ])
 def test_sampler_mistakes_fail(flags, fragment):
-    _fails(checks.check_sampler, _variant(**flags), "Exercise 2.1", fragment, engine=False)
+    fails(checks.check_sampler, _variant(**flags), "Exercise 2.1", fragment, engine=False)
 
 
 def test_sampler_that_ignores_greedy_rows_fails():
@@ -219,7 +211,7 @@ def test_sampler_that_ignores_greedy_rows_fails():
             meta.temperature = meta.temperature.clamp_min(1.0)
             return super().forward(logits, meta)
 
-    _fails(checks.check_sampler, AlwaysSamples, "argmax", engine=False)
+    fails(checks.check_sampler, AlwaysSamples, "argmax", engine=False)
 
 
 # -- 2.2 the generation loop with a KV cache -------------------------------------------------------
@@ -285,7 +277,7 @@ def test_cached_generation_check_passes_the_loop(capsys):
     ("delegates", ["greedy_generate", "the package's own answer"]),
 ])
 def test_cached_generation_mistakes_fail_naming_them(mistake, fragments):
-    _fails(checks.check_cached_generation, _loop(mistake), "Exercise 2.2", *fragments)
+    fails(checks.check_cached_generation, _loop(mistake), "Exercise 2.2", *fragments)
 
 
 # -- 3.1 slot mapping, 3.2 paged attention ---------------------------------------------------------
@@ -301,7 +293,7 @@ def test_slot_mapping_check_passes_a_list_comprehension():
     lambda table, pos, bs: [table[p % len(table)] * bs + p // bs for p in pos],  # swapped
 ])
 def test_slot_mapping_mistakes_fail_stating_the_convention(wrong):
-    _fails(checks.check_slot_mapping, wrong, "Exercise 3.1", "block_table[p // block_size]", "got")
+    fails(checks.check_slot_mapping, wrong, "Exercise 3.1", "block_table[p // block_size]", "got")
 
 
 def _paged(q, kv_cache, block_table, seq_len, scale, read=None, tile=False):
@@ -328,7 +320,7 @@ def test_paged_attention_check_passes_a_gather_then_attend():
     (dict(tile=True), "h % kv_heads"),
 ])
 def test_paged_attention_mistakes_fail_naming_them(kwargs, hint):
-    _fails(checks.check_paged_attention, lambda *a: _paged(*a, **kwargs), "Exercise 3.2", hint)
+    fails(checks.check_paged_attention, lambda *a: _paged(*a, **kwargs), "Exercise 3.2", hint)
 
 
 def test_unsolved_exercise_propagates_not_implemented_error():
@@ -379,8 +371,8 @@ def test_allocate_slots_check_passes_the_rule(capsys):
     ("partial", ["returned None but took 1 block from the pool", "leak"]),
 ])
 def test_allocate_slots_mistakes_fail_naming_them(mistake, fragments):
-    _fails(checks.check_allocate_slots, _manager(mistake), "Exercise 3.1", *fragments,
-           "ceil(tokens / block_size)")
+    fails(checks.check_allocate_slots, _manager(mistake), "Exercise 3.1", *fragments,
+          "ceil(tokens / block_size)")
 
 
 def test_allocate_slots_check_refuses_the_package_own():
@@ -397,8 +389,8 @@ def test_allocate_slots_check_refuses_the_package_own():
                 return None
 
     for cls in (Inherits, CallsSuper):
-        _fails(checks.check_allocate_slots, cls, "Exercise 3.1",
-               "KVCacheManager.allocate_slots", "write it")
+        fails(checks.check_allocate_slots, cls, "Exercise 3.1",
+              "KVCacheManager.allocate_slots", "write it")
     assert KVCacheManager.allocate_slots.__name__ == "allocate_slots"
     assert "num_new_computed_tokens" in KVCacheManager.allocate_slots.__code__.co_varnames
 
@@ -560,8 +552,8 @@ def test_v0_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
                       (_DelegatesAdmission, "Scheduler._try_admit"),
                       (_DelegatesToSuper, "Scheduler.schedule"),
                       (_CatchesAndDelegates, "Scheduler._try_admit")):
-        _fails(checks.check_phase_separated_scheduler, cls, "Exercise 4.1", name,
-               "the package's own answer", "self.kv_cache_manager", error=checks.Delegated)
+        fails(checks.check_phase_separated_scheduler, cls, "Exercise 4.1", name,
+              "the package's own answer", "self.kv_cache_manager", error=checks.Delegated)
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -570,18 +562,18 @@ def test_v0_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
     (dict(admit_all=False), "keep admitting while prompts fit"),
 ])
 def test_v0_mistakes_fail_naming_them(flags, fragment):
-    _fails(checks.check_phase_separated_scheduler, type("Mistake", (_V0,), flags),
-           "Exercise 4.1", fragment, "Expected (v0)")
+    fails(checks.check_phase_separated_scheduler, type("Mistake", (_V0,), flags),
+          "Exercise 4.1", fragment, "Expected (v0)")
 
 
 def test_the_v1_scheduler_is_not_a_v0_one():
-    _fails(checks.check_phase_separated_scheduler, type("V1", (_V1,), {}), "Exercise 4.1",
-           "in v0 a step is")
+    fails(checks.check_phase_separated_scheduler, type("V1", (_V1,), {}), "Exercise 4.1",
+          "in v0 a step is")
 
 
 def test_scheduler_checks_want_a_scheduler_class():
-    _fails(checks.check_phase_separated_scheduler, object,
-           "subclass of minivllm.core.scheduler.Scheduler")
+    fails(checks.check_phase_separated_scheduler, object,
+          "subclass of minivllm.core.scheduler.Scheduler")
 
 
 # -- 5.1 the unified (v1) scheduler --------------------------------------------------------------
@@ -671,8 +663,8 @@ def test_v1_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
     for cls, name in ((Scheduler, "Scheduler.schedule"), (_DelegatesToSuper, "Scheduler.schedule"),
                       (_DelegatesPreemption, "Scheduler._preempt"),
                       (_DelegatesTheLoop, "Scheduler._allocate_or_preempt")):
-        _fails(checks.check_unified_scheduler, cls, "Exercise 5.1", name,
-               "the package's own answer", error=checks.Delegated)
+        fails(checks.check_unified_scheduler, cls, "Exercise 5.1", name,
+              "the package's own answer", error=checks.Delegated)
 
 
 @pytest.mark.parametrize("flags, fragments", [
@@ -683,8 +675,8 @@ def test_v1_check_fails_the_package_scheduler_and_classes_that_delegate_to_it():
      ["num_computed_tokens is still", "reset num_computed_tokens to 0"]),
 ])
 def test_v1_mistakes_fail_naming_them(flags, fragments):
-    _fails(checks.check_unified_scheduler, type("Mistake", (_V1,), flags), "Exercise 5.1",
-           *fragments)
+    fails(checks.check_unified_scheduler, type("Mistake", (_V1,), flags), "Exercise 5.1",
+          *fragments)
 
 
 def test_the_v0_scheduler_is_not_a_v1_one():
@@ -697,7 +689,7 @@ def test_the_v0_scheduler_is_not_a_v1_one():
             self.num_preemptions += 1
             self.waiting.appendleft(request)
 
-    _fails(checks.check_unified_scheduler, V0, "Exercise 5.1", "Expected (v1)")
+    fails(checks.check_unified_scheduler, V0, "Exercise 5.1", "Expected (v1)")
 
 
 def test_unsolved_scheduler_exercise_propagates_not_implemented_error():
@@ -737,7 +729,7 @@ def test_chunking_check_passes_a_search_on_drawn_settings(capsys):
     (lambda ev, limit: _chunking(512, -1), ["long_prefill_token_threshold must be in"]),
 ])
 def test_chunking_choices_that_miss_fail_saying_what_was_measured(choose, fragments):
-    message = _fails(checks.check_chunking_choice, choose, "Exercise 5.2", *fragments, seed=0)
+    message = fails(checks.check_chunking_choice, choose, "Exercise 5.2", *fragments, seed=0)
     assert "grid search" in message or "Expected" in message
 
 
@@ -791,7 +783,7 @@ def _parentless_block(parent, token_ids, extra_keys):
     (lambda p, t, e: _blake2_block(p, t, e).hex(), _chain(_blake2_block), ["expected bytes"]),
 ])
 def test_block_hash_mistakes_fail_naming_them(block_hash, update, fragments):
-    _fails(checks.check_block_hashes, block_hash, "Exercise 6.1", *fragments, update_block_hashes=update)
+    fails(checks.check_block_hashes, block_hash, "Exercise 6.1", *fragments, update_block_hashes=update)
 
 
 def test_block_hash_check_refuses_pythons_hash_even_reached_at_run_time():
@@ -801,8 +793,8 @@ def test_block_hash_check_refuses_pythons_hash_even_reached_at_run_time():
         h = getattr(builtins, "ha" + "sh")((parent, tuple(token_ids)))
         return h.to_bytes(8, "little", signed=True)
 
-    _fails(checks.check_block_hashes, hashes_through_builtins, "built-in hash()", "while it ran",
-           update_block_hashes=_chain(_blake2_block), error=checks.Delegated)
+    fails(checks.check_block_hashes, hashes_through_builtins, "built-in hash()", "while it ran",
+          update_block_hashes=_chain(_blake2_block), error=checks.Delegated)
 
 
 # -- 6.2 the block pool ----------------------------------------------------------------------------
@@ -928,7 +920,7 @@ class _FreesSharedBlocks(_OrderedDictPool):
     (_FreesSharedBlocks, ["random workload", "while other requests still hold them"]),
 ])
 def test_block_pool_mistakes_fail_naming_them(pool_cls, fragments):
-    _fails(checks.check_block_pool, pool_cls, "Exercise 6.2", *fragments)
+    fails(checks.check_block_pool, pool_cls, "Exercise 6.2", *fragments)
 
 
 def _busy_sim():
@@ -996,8 +988,8 @@ def test_block_hash_chain_that_returns_nothing_fails():
     def returns_none(request, block_size):
         _chain(_blake2_block)(request, block_size)
 
-    _fails(checks.check_block_hashes, _blake2_block, "returned None instead of request.block_hashes",
-           update_block_hashes=returns_none)
+    fails(checks.check_block_hashes, _blake2_block, "returned None instead of request.block_hashes",
+          update_block_hashes=returns_none)
 
 
 # -- 11.2 an engine of the learner's own components ------------------------------------------------
@@ -1005,13 +997,13 @@ def test_block_hash_chain_that_returns_nothing_fails():
 def test_an_engine_of_the_package_components_is_refused():
     for classes in ((Sampler, _V1, _OrderedDictPool), (_variant(), Scheduler, _OrderedDictPool),
                     (_variant(), _V1, type("Pool", (BlockPool,), {}))):
-        _fails(checks.check_own_engine, *classes[:1], "Exercise 11.2",
-               "the package's own answer", error=checks.Delegated,
-               scheduler_cls=classes[1], block_pool_cls=classes[2])
+        fails(checks.check_own_engine, *classes[:1], "Exercise 11.2",
+              "the package's own answer", error=checks.Delegated,
+              scheduler_cls=classes[1], block_pool_cls=classes[2])
 
 
 @pytest.mark.slow
 def test_an_engine_with_a_shared_generator_sampler_fails_on_the_seeded_request():
     """(That an engine of correct components passes, solutions/11 shows under nbval.)"""
-    _fails(checks.check_own_engine, _variant(use_own_generators=False), "Exercise 11.2",
-           "the seeded request", scheduler_cls=_V1, block_pool_cls=_OrderedDictPool)
+    fails(checks.check_own_engine, _variant(use_own_generators=False), "Exercise 11.2",
+          "the seeded request", scheduler_cls=_V1, block_pool_cls=_OrderedDictPool)

@@ -12,15 +12,7 @@ import pytest
 
 from minivllm.course import checks
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
-
-
-def _fails(check, component, *fragments, **kwargs):
-    with pytest.raises(checks.CheckFailed) as info:
-        check(component, **kwargs)
-    message = str(info.value)
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
+from tests.course_helpers import fails
 
 
 # -- 7.1 the busy loop ---------------------------------------------------------------------------
@@ -100,7 +92,7 @@ class OneMessagePerStep(Loop):
     (OneMessagePerStep, "drain the whole input queue"),
 ])
 def test_busy_loop_mistakes_fail_naming_them(cls, fragment):
-    _fails(checks.check_busy_loop, cls, "Exercise 7.1", fragment)
+    fails(checks.check_busy_loop, cls, "Exercise 7.1", fragment)
 
 
 def test_a_loop_that_delegates_to_the_package_fails():
@@ -160,7 +152,7 @@ class Detok:
 def test_detokenizer_mistakes_fail_naming_the_case(kwargs, fragment):
     cls = type("Mistaken", (Detok,), {"__init__": lambda self, t, p, s: Detok.__init__(
         self, t, p, s, **kwargs)})
-    _fails(checks.check_detokenizer, cls, "Exercise 7.2", fragment)
+    fails(checks.check_detokenizer, cls, "Exercise 7.2", fragment)
 
 
 def test_a_detokenizer_that_delegates_to_the_package_fails():
@@ -210,8 +202,8 @@ def test_benchmark_metrics_check_passes_a_correct_function(capsys):
     ({"percentile": "nearest"}, "p99_ms"),
 ])
 def test_benchmark_metrics_mistakes_fail(kwargs, fragment):
-    _fails(checks.check_benchmark_metrics,
-           lambda *a: metrics(*a, **kwargs), "Exercise 8.2", fragment, "interpolated linearly")
+    fails(checks.check_benchmark_metrics,
+          lambda *a: metrics(*a, **kwargs), "Exercise 8.2", fragment, "interpolated linearly")
 
 
 # -- 8.1 the chat stream (a real server) ---------------------------------------------------------
@@ -228,4 +220,4 @@ async def no_role_chunk(request_id, model, outputs, include_usage):
 
 @pytest.mark.slow
 def test_chat_stream_without_the_role_chunk_fails():
-    _fails(checks.check_chat_stream, no_role_chunk, "Exercise 8.1", "announce the role")
+    fails(checks.check_chat_stream, no_role_chunk, "Exercise 8.1", "announce the role")

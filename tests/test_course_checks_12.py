@@ -12,6 +12,7 @@ from torch import nn
 from minivllm.course import checks
 from minivllm.model import parallel_layers
 from minivllm.model.parallel_layers import kv_head_partition
+from tests.course_helpers import fails
 
 
 class RowParallelLinear(nn.Module):
@@ -74,16 +75,6 @@ class DelegatingLayer(RowParallelLinear):
         return parallel_layers.RowParallelLinear.forward(self, x)
 
 
-def _fails(check, answer, exercise, *fragments, error=checks.CheckFailed):
-    with pytest.raises(error) as info:
-        check(answer)
-    message = str(info.value)
-    assert message.startswith(f"Exercise {exercise}: "), message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
-
-
 def test_row_parallel_solution_passes(capsys):
     checks.check_row_parallel_linear(RowParallelLinear)
     checks.check_row_parallel_linear(BiasAfterAllReduce)
@@ -97,13 +88,13 @@ def test_row_parallel_solution_passes(capsys):
     (OnlyRankZeroReduces, ["never joined", "every rank must call all_reduce"]),
 ])
 def test_row_parallel_mistakes_fail_naming_the_convention(answer, fragments):
-    message = _fails(checks.check_row_parallel_linear, answer, "12.1", *fragments)
+    message = fails(checks.check_row_parallel_linear, answer, *fragments, starts="Exercise 12.1: ")
     assert "Expected (row-parallel, Megatron-style)" in message
 
 
 def test_row_parallel_delegation_fails_saying_why():
-    _fails(checks.check_row_parallel_linear, DelegatingLayer, "12.1",
-           "RowParallelLinear", "the package's own answer", error=checks.Delegated)
+    fails(checks.check_row_parallel_linear, DelegatingLayer, "RowParallelLinear",
+          "the package's own answer", error=checks.Delegated, starts="Exercise 12.1: ")
 
 
 def shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank):
@@ -154,11 +145,11 @@ def test_qkv_solution_passes(capsys):
     (kv_not_split, ["rank 0 of 2", "got shape"]),
 ])
 def test_qkv_mistakes_fail_naming_the_convention(answer, fragments):
-    message = _fails(checks.check_qkv_sharding, answer, "12.2", *fragments)
+    message = fails(checks.check_qkv_sharding, answer, *fragments, starts="Exercise 12.2: ")
     assert "query head h reads KV head h // (H / K)" in message
 
 
 def test_qkv_delegation_fails_saying_why_and_the_helper_comes_back():
-    _fails(checks.check_qkv_sharding, delegating_shards, "12.2",
-           "kv_head_partition", "the package's own answer", error=checks.Delegated)
+    fails(checks.check_qkv_sharding, delegating_shards, "kv_head_partition",
+          "the package's own answer", error=checks.Delegated, starts="Exercise 12.2: ")
     assert kv_head_partition(2, 4, 3) == (1, 1)  # restored after grading

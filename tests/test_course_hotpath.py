@@ -9,6 +9,7 @@ import pytest
 
 from minivllm.course import checks
 from minivllm.course.checks.hotpath import expected_padding, optimal_padding
+from tests.course_helpers import fails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,19 +24,12 @@ def solved():
     return scope
 
 
-def _fails(check, component, *fragments):
-    with pytest.raises(checks.CheckFailed) as info:
-        check(component)
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-
-
 def test_a_batch_that_never_condenses_fails_naming_the_rows(solved):
     class NoCondense(solved["PersistentBatch"]):
         def condense(self):
             pass
 
-    _fails(checks.check_persistent_batch, NoCondense, "Exercise 10.1", "rows 0..")
+    fails(checks.check_persistent_batch, NoCondense, "Exercise 10.1", "rows 0..")
 
 
 def test_a_batch_that_forgets_sampled_tokens_on_leaving_its_row_fails(solved):
@@ -45,7 +39,7 @@ def test_a_batch_that_forgets_sampled_tokens_on_leaving_its_row_fails(solved):
             if row is not None:
                 self.req_ids[row] = None  # the state keeps only the prompt
 
-    _fails(checks.check_persistent_batch, Forgetful, "token_ids")
+    fails(checks.check_persistent_batch, Forgetful, "token_ids")
 
 
 def test_a_batch_that_appends_a_resumed_requests_blocks_fails(solved):
@@ -55,7 +49,7 @@ def test_a_batch_that_appends_a_resumed_requests_blocks_fails(solved):
                 False for _ in so.scheduled_cached_reqs.resumed_from_preemption]
             super().apply(so)
 
-    _fails(checks.check_persistent_batch, Appends, "block_ids")
+    fails(checks.check_persistent_batch, Appends, "block_ids")
 
 
 def test_a_batch_built_on_the_package_input_batch_fails_saying_it_is_hidden(solved):
@@ -78,7 +72,7 @@ def test_a_graph_runner_that_does_not_pad_slots_fails_naming_the_buffer(solved):
                 return replay(size)
             super().__init__(replay_with_stale_slots, sizes, buffers)
 
-    _fails(checks.check_graph_runner, StaleSlots, "Exercise 10.2", "slot_mapping")
+    fails(checks.check_graph_runner, StaleSlots, "Exercise 10.2", "slot_mapping")
 
 
 def test_a_graph_runner_that_replays_the_unpadded_size_fails(solved):
@@ -87,7 +81,7 @@ def test_a_graph_runner_that_replays_the_unpadded_size_fails(solved):
             self.sizes = sorted(set(self.sizes) | {input_ids.shape[0]})
             return super().run(input_ids, positions, meta)
 
-    _fails(checks.check_graph_runner, Unpadded, "replayed size")
+    fails(checks.check_graph_runner, Unpadded, "replayed size")
 
 
 def test_powers_of_two_are_not_the_best_capture_sizes():
@@ -95,11 +89,11 @@ def test_powers_of_two_are_not_the_best_capture_sizes():
         sizes = [min(2 ** i, max_batch) for i in range(max_graphs)]
         return sorted(set(sizes[:-1] + [max_batch]))
 
-    _fails(checks.check_capture_sizes, powers_of_two, "Exercise 10.3", "the best choice pads")
+    fails(checks.check_capture_sizes, powers_of_two, "Exercise 10.3", "the best choice pads")
 
 
 def test_capture_sizes_that_miss_the_largest_batch_fail():
-    _fails(checks.check_capture_sizes, lambda probs, g, m: [1], "not a valid choice")
+    fails(checks.check_capture_sizes, lambda probs, g, m: [1], "not a valid choice")
 
 
 def test_optimal_padding_by_hand():

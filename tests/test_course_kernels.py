@@ -15,6 +15,7 @@ import torch
 
 from minivllm.course import checks
 from minivllm.course.checks import kernels as kernel_checks
+from tests.course_helpers import fails
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -22,14 +23,6 @@ tl = pytest.importorskip("triton.language")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG2E = 1.4426950408889634
 INTERPRETED = not torch.cuda.is_available()
-
-
-def _fails(check, *args, fragments=(), **kwargs):
-    with pytest.raises(checks.CheckFailed) as info:
-        check(*args, **kwargs)
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-    return str(info.value)
 
 
 # -- mistakes, written here in plain torch (never through the package's own code) --------------
@@ -56,12 +49,12 @@ def test_add_rms_norm_that_ignores_the_residual_fails_with_a_hint():
     def norm_only(x, residual, weight, eps):
         return _norm(x, weight, eps), x + residual
 
-    _fails(checks.check_fused_add_rms_norm, norm_only, fragments=("normalise x + residual",))
+    fails(checks.check_fused_add_rms_norm, norm_only, "normalise x + residual")
 
 
 def test_add_rms_norm_returning_one_tensor_fails_stating_the_convention():
-    _fails(checks.check_fused_add_rms_norm, lambda x, r, w, eps: _norm(x + r, w, eps),
-           fragments=("expected a tuple (out, new_residual)",))
+    fails(checks.check_fused_add_rms_norm, lambda x, r, w, eps: _norm(x + r, w, eps),
+          "expected a tuple (out, new_residual)")
 
 
 def test_online_softmax_in_base_e_fails_naming_the_base():
@@ -70,7 +63,7 @@ def test_online_softmax_in_base_e_fails_naming_the_base():
         alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
         return m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v
 
-    _fails(checks.check_online_softmax, natural, fragments=("Exercise 9.5", "base 2"))
+    fails(checks.check_online_softmax, natural, "Exercise 9.5", "base 2")
 
 
 def test_online_softmax_that_never_rescales_fails():
@@ -79,7 +72,7 @@ def test_online_softmax_that_never_rescales_fails():
         p = torch.exp2(s - m_new[:, None])
         return m_new, l + p.sum(1), acc + p @ v
 
-    _fails(checks.check_online_softmax, no_rescale, fragments=("acc / l after the last tile",))
+    fails(checks.check_online_softmax, no_rescale, "acc / l after the last tile")
 
 
 def test_paged_decode_that_reads_blocks_in_order_fails_naming_the_block_table():
@@ -87,8 +80,7 @@ def test_paged_decode_that_reads_blocks_in_order_fails_naming_the_block_table():
         ordered = torch.arange(tables.shape[1], dtype=torch.int32)[None].expand_as(tables)
         return _paged(q, cache, ordered.contiguous(), lens, scale)
 
-    _fails(checks.check_paged_decode, in_order,
-           fragments=("Exercise 9.6", "look each token's block"))
+    fails(checks.check_paged_decode, in_order, "Exercise 9.6", "look each token's block")
 
 
 def test_paged_decode_over_whole_blocks_fails_naming_the_mask():
@@ -96,7 +88,7 @@ def test_paged_decode_over_whole_blocks_fails_naming_the_mask():
         bs = cache.shape[2]
         return _paged(q, cache, tables, (-(-lens // bs) * bs).to(torch.int32), scale)
 
-    _fails(checks.check_paged_decode, whole_blocks, fragments=("mask t < seq_len",))
+    fails(checks.check_paged_decode, whole_blocks, "mask t < seq_len")
 
 
 def _partitions(q, cache, tables, lens, scale, splits):
@@ -127,7 +119,7 @@ def test_a_reduction_that_reads_partitions_that_never_ran_fails_naming_them():
         w = torch.exp2(m - m.max(dim=2, keepdim=True).values)
         return (w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]
 
-    _fails(checks.check_split_decode, all_partitions, fragments=("Exercise 9.7", "never ran"))
+    fails(checks.check_split_decode, all_partitions, "Exercise 9.7", "never ran")
 
 
 def test_a_reduction_without_the_max_weights_fails_stating_the_convention():
@@ -136,8 +128,7 @@ def test_a_reduction_without_the_max_weights_fails_stating_the_convention():
         ran = ~torch.isnan(m)
         return torch.where(ran[..., None], acc, 0).sum(2) / torch.where(ran, l, 0).sum(2)[..., None]
 
-    _fails(checks.check_split_decode, unweighted,
-           fragments=("out = sum_j 2**(m_j - M) acc_j", "seed="))
+    fails(checks.check_split_decode, unweighted, "out = sum_j 2**(m_j - M) acc_j", "seed=")
 
 
 def test_an_unsolved_kernel_raises_not_implemented_error_through_the_interpreter():
@@ -159,7 +150,8 @@ def test_an_unsolved_kernel_raises_not_implemented_error_through_the_interpreter
 
 def test_a_prefix_of_the_reference_tokens_fails_clearly(monkeypatch):
     monkeypatch.setattr(kernel_checks, "_reference_tokens", lambda: ((1, 2, 3), (4, 5)))
-    message = _fails(kernel_checks._compare_in_engine, "9.6", "load_kv_tile", [[1, 2], [4, 5]])
+    message = fails(kernel_checks._compare_in_engine, "9.6", what="load_kv_tile",
+                    got=[[1, 2], [4, 5]])
     assert "request 0's output goes wrong at token 2" in message
 
 
@@ -189,8 +181,8 @@ def test_the_warm_up_solutions_pass(capsys):
 
 def test_a_launcher_that_computes_in_torch_and_skips_the_kernel_fails():
     ns = _solution_namespace()
-    _fails(checks.check_bias_add, lambda x, bias: x + bias, ns["add_bias_kernel"],
-           fragments=("without running your add_bias_kernel",))
+    fails(checks.check_bias_add, lambda x, bias: x + bias, "without running your add_bias_kernel",
+          kernel=ns["add_bias_kernel"])
 
 
 def test_a_stored_answer_fails_on_cases_drawn_at_grading_time():
@@ -208,7 +200,7 @@ def test_a_stored_answer_fails_on_cases_drawn_at_grading_time():
         ns["matmul"](a[:1, :1].contiguous(), b[:1, :1].contiguous())  # the kernel does run
         return next(replay)
 
-    _fails(checks.check_tiled_matmul, constant, ns["matmul_kernel"], fragments=("Exercise 9.3",))
+    fails(checks.check_tiled_matmul, constant, "Exercise 9.3", kernel=ns["matmul_kernel"])
 
 
 def test_row_sums_of_the_first_tile_only_fails_with_a_hint():
@@ -223,7 +215,7 @@ def test_row_sums_of_the_first_tile_only_fails_with_a_hint():
         first_tile[(x.shape[0],)](x, out, x.shape[1], BLOCK=16)
         return out
 
-    _fails(checks.check_row_sums, launcher, first_tile, fragments=("loop over the whole row",))
+    fails(checks.check_row_sums, launcher, "loop over the whole row", kernel=first_tile)
 
 
 # -- delegation: every way of handing the work to the package fails --------------------------------
@@ -238,9 +230,8 @@ def test_the_package_launcher_under_the_expected_name_fails():
     def fused_add_rms_norm(x, residual, weight, eps):
         return rms_norm(x, weight, eps, residual)
 
-    _fails(checks.check_fused_add_rms_norm, fused_add_rms_norm,
-           fragments=("Exercise 9.4", "minivllm.kernels.rms_norm.rms_norm",
-                      "the package's own answer"))
+    fails(checks.check_fused_add_rms_norm, fused_add_rms_norm, "Exercise 9.4",
+          "minivllm.kernels.rms_norm.rms_norm", "the package's own answer")
 
 
 def test_launching_the_package_rms_norm_kernel_fails():
@@ -255,17 +246,17 @@ def test_launching_the_package_rms_norm_kernel_fails():
             BLOCK_ROWS=1, BLOCK=triton.next_power_of_2(n))
         return out.view(x.shape), res.view(x.shape)
 
-    _fails(checks.check_fused_add_rms_norm, launcher, fragments=("_rms_norm_kernel",))
+    fails(checks.check_fused_add_rms_norm, launcher, "_rms_norm_kernel")
     # handed over as the learner's kernel (a bare alias), it fails before any case runs
     add_rms_norm_kernel = package._rms_norm_kernel
-    _fails(checks.check_fused_add_rms_norm, launcher, add_rms_norm_kernel,
-           fragments=("_rms_norm_kernel",))
+    fails(checks.check_fused_add_rms_norm, launcher, "_rms_norm_kernel",
+          kernel=add_rms_norm_kernel)
 
 
 def test_a_fresh_jit_of_the_package_kernel_fails():
     add_rms_norm_kernel = triton.jit(_rms_kernel().fn)
-    _fails(checks.check_fused_add_rms_norm, lambda *a: None, add_rms_norm_kernel,
-           fragments=("_rms_norm_kernel",))
+    fails(checks.check_fused_add_rms_norm, lambda *a: None, "_rms_norm_kernel",
+          kernel=add_rms_norm_kernel)
 
 
 def test_the_package_fetched_at_run_time_is_hidden():
@@ -273,7 +264,7 @@ def test_the_package_fetched_at_run_time_is_hidden():
         module = importlib.import_module("minivllm." + "kernels.rms_norm")
         return getattr(module, "rms_" + "norm")(x, weight, eps, residual)
 
-    _fails(checks.check_fused_add_rms_norm, sneaky, fragments=("the package's own answer",))
+    fails(checks.check_fused_add_rms_norm, sneaky, "the package's own answer")
     from minivllm.kernels import rms_norm as package
 
     assert package.rms_norm.__code__.co_name == "rms_norm"  # restored afterwards
@@ -284,12 +275,12 @@ def test_the_package_fetched_at_run_time_is_hidden():
 def test_the_torch_reference_fails_as_a_launcher():
     from minivllm.model.layers import rms_norm
 
-    _fails(checks.check_fused_add_rms_norm, lambda x, r, w, eps: rms_norm(x, w, eps, r),
-           fragments=("minivllm.model.layers.rms_norm",))
+    fails(checks.check_fused_add_rms_norm, lambda x, r, w, eps: rms_norm(x, w, eps, r),
+          "minivllm.model.layers.rms_norm")
     from minivllm.attention.torch_backend import paged_decode_attention
 
-    _fails(checks.check_paged_decode, paged_decode_attention,
-           fragments=("Exercise 9.6", "torch_backend.paged_decode_attention"))
+    fails(checks.check_paged_decode, paged_decode_attention, "Exercise 9.6",
+          "torch_backend.paged_decode_attention")
 
 
 def test_the_package_update_imported_under_the_expected_name_fails():
@@ -303,10 +294,10 @@ def test_the_package_update_imported_under_the_expected_name_fails():
         kernel[(1,)](q, q)
         return q
 
-    _fails(checks.check_online_softmax_kernel, contiguous_decode, online_softmax_update_tl,
-           fragments=("Exercise 9.5", "attention_tile.online_softmax_update"))
-    _fails(checks.check_online_softmax_kernel, contiguous_decode,
-           fragments=("attention_tile.online_softmax_update",))
+    fails(checks.check_online_softmax_kernel, contiguous_decode, "Exercise 9.5",
+          "attention_tile.online_softmax_update", update=online_softmax_update_tl)
+    fails(checks.check_online_softmax_kernel, contiguous_decode,
+          "attention_tile.online_softmax_update")
 
 
 def test_the_package_tile_load_fails_as_load_kv_tile():
@@ -320,12 +311,12 @@ def test_the_package_tile_load_fails_as_load_kv_tile():
         kernel[(1,)](q)
         return q
 
-    _fails(checks.check_paged_decode, paged_decode, load_kv_tile,
-           fragments=("attention_tile.load_kv_tile",))
+    fails(checks.check_paged_decode, paged_decode, "attention_tile.load_kv_tile",
+          load_kv_tile=load_kv_tile)
     from minivllm.kernels import decode_attention
 
-    _fails(checks.check_paged_decode, lambda *a: decode_attention.paged_decode_attention(*a),
-           fragments=("decode_attention.paged_decode_attention",))
+    fails(checks.check_paged_decode, lambda *a: decode_attention.paged_decode_attention(*a),
+          "decode_attention.paged_decode_attention")
 
 
 def test_launching_the_package_reduce_kernel_fails():
@@ -341,10 +332,10 @@ def test_launching_the_package_reduce_kernel_fails():
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(q.shape[2]))
         return out
 
-    _fails(checks.check_split_decode, flash_decode, fragments=("_decode_reduce_kernel",))
+    fails(checks.check_split_decode, flash_decode, "_decode_reduce_kernel")
     combine_partitions_kernel = package._decode_reduce_kernel
-    _fails(checks.check_split_decode, flash_decode, combine_partitions_kernel,
-           fragments=("Exercise 9.7", "_decode_reduce_kernel"))
+    fails(checks.check_split_decode, flash_decode, "Exercise 9.7", "_decode_reduce_kernel",
+          kernel=combine_partitions_kernel)
 
 
 def test_the_watch_is_undone_after_a_check():
@@ -352,9 +343,10 @@ def test_the_watch_is_undone_after_a_check():
 
     from minivllm.attention.torch_backend import paged_decode_attention
 
-    _fails(checks.check_paged_decode, lambda *a: importlib.import_module(
+    fails(checks.check_paged_decode,
+          lambda *a: importlib.import_module(
         "minivllm.attention.torch_backend").paged_decode_attention(*a),
-        fragments=("torch_backend.paged_decode_attention",))
+          "torch_backend.paged_decode_attention")
     assert sys.getprofile() is None
     out = paged_decode_attention(torch.ones(1, 1, 4), torch.ones(2, 1, 1, 1, 4),
                                  torch.zeros(1, 1, dtype=torch.int32),
