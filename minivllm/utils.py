@@ -56,6 +56,17 @@ def exit_with_parent(thread_name: str) -> None:
     threading.Thread(target=watch, daemon=True, name=thread_name).start()
 
 
+def child_process_setup(thread_name: str) -> None:
+    """What a child spawned by ``ProcessResources.spawn`` does first: exit when its parent dies
+    (``exit_with_parent``, the watching thread named ``thread_name``), and ignore Ctrl-C, which
+    the terminal sends to the whole process group: the front end owns the shutdown and tells
+    its children."""
+    import signal
+
+    exit_with_parent(thread_name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def stop_processes(procs, grace_s: float = 5.0) -> None:
     """Stop child processes: SIGTERM to those alive, up to ``grace_s`` seconds (shared) for them
     to exit, then SIGKILL to any left."""

@@ -3,13 +3,15 @@
 and resources released once, whatever the child did."""
 
 import os
+import signal
 import time
 
 import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from minivllm.utils import ProcessResources, make_socket, recv_while_alive  # noqa: E402
+from minivllm.utils import (ProcessResources, child_process_setup, make_socket,  # noqa: E402
+                            recv_while_alive)
 
 
 def test_a_message_arrives_and_a_dead_child_is_noticed():
@@ -40,3 +42,30 @@ def test_release_stops_a_child_that_is_still_running():
     assert child.is_alive() and child.daemon
     resources()
     assert not child.is_alive() and child.exitcode is not None
+
+
+def _report_setup(address: str) -> None:
+    """A spawned child: set itself up, then say whether Ctrl-C is ignored and whether a thread
+    watches its parent, and stay until stopped."""
+    import threading
+
+    child_process_setup("ParentWatchUnderTest")
+    ctx = zmq.Context()
+    out = make_socket(ctx, zmq.PUSH, address, bind=False)
+    watching = any(t.name == "ParentWatchUnderTest" for t in threading.enumerate())
+    out.send(b"%d %d" % (signal.getsignal(signal.SIGINT) is signal.SIG_IGN, watching))
+    time.sleep(60)
+
+
+def test_a_spawned_child_ignores_ctrl_c_and_watches_its_parent():
+    resources = ProcessResources()
+    try:
+        pull = resources.bind(zmq.PULL, "setup")
+        child = resources.spawn(_report_setup, (resources.address("setup"),), "SetupChild")
+        assert recv_while_alive(pull, [child], lambda p: ChildProcessError(p.exitcode)) == b"1 1"
+        os.kill(child.pid, signal.SIGINT)  # what Ctrl-C sends the whole process group
+        time.sleep(0.5)
+        assert child.is_alive()
+    finally:
+        resources()
+    assert not child.is_alive()

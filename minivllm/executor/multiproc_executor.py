@@ -10,8 +10,8 @@ What one step costs to broadcast grows with what changed, not with the batch's h
 scheduler output is a diff (``minivllm/core/sched_output.py``). ``broadcast_stats`` counts
 the bytes and the time spent pickling and sending.
 
-Failure: while it waits for an answer the executor checks every few milliseconds that all its
-workers are alive; a dead worker (killed, crashed, out of memory) raises ``WorkerDiedError`` in
+Failure: while it waits for an answer the executor checks that all its workers are alive
+whenever its socket stays quiet for ``LIVENESS_POLL_MS`` (100 ms); a dead worker (killed, crashed, out of memory) raises ``WorkerDiedError`` in
 the engine core, which takes the core-death path (``EngineDeadError`` for every request in
 flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
 The workers are stopped on shutdown, when the executor is garbage-collected or at exit
@@ -25,7 +25,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import threading
 import time
@@ -35,7 +34,7 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.executor.abstract import Executor, WorkerDiedError
-from minivllm.utils import (ProcessResources, exit_with_parent, make_socket, owner_finalizer,
+from minivllm.utils import (ProcessResources, child_process_setup, make_socket, owner_finalizer,
                             recv_while_alive)
 
 
@@ -149,8 +148,7 @@ class MultiprocExecutor(Executor):
 def run_worker(config: EngineConfig, dist_env: dict, step_address: str, result_address: str,
                show_progress: bool) -> None:
     """Entry point of a worker process: load this rank's shard, then run what arrives."""
-    exit_with_parent("TPWorkerParentWatch")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    child_process_setup("TPWorkerParentWatch")
     os.environ.update(dist_env)
     rank = int(dist_env["RANK"])
     import torch
