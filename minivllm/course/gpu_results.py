@@ -1,24 +1,15 @@
 """GPU measurements a chapter stores, so a learner without a GPU still sees one.
 
-A chapter's GPU cells all follow one pattern::
-
-    from minivllm.course import gpu_results
-
     if gpu_results.has_cuda():
         ...measure...
         gpu_results.save("02", "decode_speed", {"tokens_per_s": tps}, fig=fig)
     else:
         gpu_results.show("02", "decode_speed", "the decode loop's tokens/s on a GPU")
 
-On a GPU, ``save`` writes ``chapters/gpu_results/<chapter>_<name>.json`` (the data, the date,
-the device and the torch version) and a ``.png`` beside it when given a matplotlib figure;
-commit them and every CPU-only reader gets them. Without a GPU, ``show`` says what the cell
-would measure and prints the stored result (displaying its figure inline), or says that none
-is stored yet. ``show`` never raises: Run All must get through a chapter on any machine.
-
-The folder is found from the working directory (a notebook runs in the folder it lives in:
-``chapters/``, ``solutions/``...) walking up to the repository's ``chapters/``, else from this
-package's location (an editable install); ``MINIVLLM_GPU_RESULTS`` names another folder.
+``save`` writes ``chapters/gpu_results/<chapter>_<name>.json`` (data, date, device, torch
+version) and a ``.png`` of the figure; ``show`` prints the stored result, or says none is stored
+yet, and never raises. The folder is found from the working directory up, else beside this
+package; ``MINIVLLM_GPU_RESULTS`` names another.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """What a Triton kernel compiles to for an H200 (CUDA sm_90), on a machine without a GPU.
 
-Triton ships its compiler and NVIDIA's ``ptxas`` and ``cuobjdump``, so the whole pipeline —
-Triton IR, PTX, a cubin — runs anywhere on Linux. Chapter 09 runs
-
-    python -m minivllm.course.kernel_report
-
-in a subprocess (the kernels must be real JIT functions: TRITON_INTERPRET unset) and reads the
-JSON it prints: for each kernel, its shared memory, registers per thread, spills, and a count
-of the PTX instructions that say what the kernel does (tensor-core ``mma``, ``ex2`` for the
-softmax, global loads by width, ``cp.async`` copies from global to shared memory).
+Triton ships its compiler, ``ptxas`` and ``cuobjdump``, so chapter 09 runs
+``python -m minivllm.course.kernel_report`` in a subprocess (TRITON_INTERPRET unset) and reads
+the JSON it prints: per kernel, shared memory, registers, spills and counts of telling PTX
+instructions (``mma``, ``ex2``, loads by width, ``cp.async``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Give a loaded engine another scheduler, without loading the model again.
 
-Loading the weights takes seconds; a scheduler and a KV cache manager take microseconds. The
-chapters that compare schedulers (v0 against v1, a sweep of chunk sizes) and the scheduler
-checkers build one ``LLM`` and, for each setting, swap in what ``LLM(**the same arguments,
-**overrides)`` would have built around the same model: a fresh scheduler over a fresh, empty KV
-cache manager, so nothing an earlier run computed or cached is reused.
-
     with swapped_scheduler(llm, scheduler="v0", max_num_batched_tokens=2048):
-        llm.generate(...)          # runs under the v0 scheduler
+        llm.generate(...)          # a fresh scheduler and KV cache manager, as LLM(...) builds
     # the LLM's own scheduler is back
 """
 

@@ -1,12 +1,10 @@
 """Design exercises graded by behaviour: 5.3 priority preemption, 7.3 overlap scheduling.
 
-Both specifications are goals. The grader draws a workload when it grades, drives an
-``EngineCore`` step by step with it (requests arriving between steps) and checks what can be
-observed against the package's engine on the same workload: the greedy tokens, the KV cache's
-invariants (``minivllm.testing``), and the exercise's own property, read from the engine's
-step statistics (``get_step_trace``) or from timestamps of an instrumented model runner. The
-learner's class comes in through the engine's public injection points: ``scheduler_cls``
-(5.3), or the ``EngineCore`` subclass the grader constructs (7.3).
+The grader draws a workload when it grades, drives an ``EngineCore`` step by step (requests
+arriving between steps) and checks what can be observed against the package's engine: greedy
+tokens, the KV cache's invariants (``minivllm.testing``), and the exercise's own property (from
+the step trace, or timestamps of an instrumented model runner). The learner's class comes in
+through public injection points: ``scheduler_cls`` (5.3), the ``EngineCore`` subclass (7.3).
 """
 
 from __future__ import annotations

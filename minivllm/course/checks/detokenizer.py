@@ -1,12 +1,9 @@
 """Checker for chapter 07's exercise 7.2: incremental detokenization with stop strings.
 
-``check_detokenizer(detokenizer_cls)``: ``detokenizer_cls(tokenizer, prompt_token_ids, params)``
-with ``update(new_token_ids) -> stop string or None``, ``output_text`` and
-``get_next_output_text(finished, delta)``. It is plugged into the engine's ``OutputProcessor``
-beside the engine's own classic detokenizer (``SlowIncrementalDetokenizer``), both fed the same
-random streams of the bundled tokenizer's tokens (multilingual text and emoji whose characters
-span tokens, random ids, stop strings that span tokens, every output kind); every output must
-be the reference's. Then the real engine generates with it.
+The learner's detokenizer runs in the engine's ``OutputProcessor`` beside the engine's classic
+one (``SlowIncrementalDetokenizer``), both fed the same random streams of the bundled
+tokenizer's tokens (characters spanning tokens, stop strings spanning tokens, every output
+kind); every output must be the reference's. Then the real engine generates with it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Checkers for chapter 10 (the CPU's share of a step): the persistent batch (10.1), the
 graph runner's copy-pad-replay (10.2), CUDA-graph capture sizes (10.3).
 
-10.1 drives the engine's real schedulers (v1, and v0 whose prefill steps leave every running
-decode out) and KV cache manager over random traces — arrivals
-that share prefixes (prefix-cache hits), aborts, a KV pool small enough to preempt and resume,
-budgets small enough to chunk prefills and to leave running requests out of a step — and after
-every step compares the learner's batch, row by row, with a rebuild from scratch: the
-scheduler's own ``Request`` objects and block tables.
+10.1 drives the engine's real schedulers (v1 and v0) and KV cache manager over random traces
+(shared prefixes, aborts, preemptions, chunked prefills, running requests left out of a step)
+and after every step compares the learner's batch, row by row, with a rebuild from scratch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Checker for chapter 02's exercise: a sampler (``forward(logits, SamplingMetadata) -> ids``).
 
-Sampling is random, so the checker is statistical: for each setting it draws thousands of
-tokens and runs a chi-square test against the distribution the reference defines,
-softmax(top_k_top_p(logits / temperature)). Tokens outside that support must never appear.
-Then it checks what an engine needs beyond the distribution: greedy rows are exact, each row
-follows its own parameters, a row with its own generator is reproducible whatever else shares
-the batch, and the sampler works inside the real engine.
+Statistical: for each setting, thousands of draws against softmax(top_k_top_p(logits / T)) by
+a chi-square test, tokens outside the support never; then greedy rows exact, per-row
+parameters, per-row generators reproducible whatever shares the batch, and the real engine.
 """
 
 from __future__ import annotations
