@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 
 from minivllm.benchmarks.common import host_speed, machine_info, write_json
+from minivllm.entrypoints.openai.cli_args import SERVER_ENGINE_DEFAULTS
 from minivllm.testing import engine_core
 
 PARTS = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
@@ -148,7 +149,7 @@ def main(args) -> int:
     kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0,
                                            biggest * args.prompt_len)
     kwargs.setdefault("max_model_len", 1024)
-    kwargs["trace_steps"] = 0  # what a server runs with
+    kwargs["trace_steps"] = SERVER_ENGINE_DEFAULTS["trace_steps"]  # what a server runs with
     llm = LLM(show_progress=False, **kwargs)
     clock = instrument(llm)
     result = {"benchmark": "overhead", "machine": machine_info(),

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+# the engine arguments a server defaults differently: it runs its engine core in its own
+# process, and keeps no step trace (its memory must not grow with its uptime)
+SERVER_ENGINE_DEFAULTS = {"multiprocess": True, "trace_steps": 0}
+
 
 def add_serve_parser(subparsers) -> None:
     from minivllm.config import EngineArgs
@@ -28,9 +32,7 @@ def add_serve_parser(subparsers) -> None:
                         "(default 16 MiB)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    # a server runs its engine core in its own process, and keeps no step trace (its memory
-    # must not grow with its uptime)
-    EngineArgs.add_cli_args(p, defaults={"multiprocess": True, "trace_steps": 0})
+    EngineArgs.add_cli_args(p, defaults=SERVER_ENGINE_DEFAULTS)
     p.set_defaults(func=_serve)
 
 
