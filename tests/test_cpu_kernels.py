@@ -20,7 +20,7 @@ from minivllm.attention import torch_backend
 from minivllm.model.layers import NATIVE_OPS
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
-from tests.test_torch_attention import context, dense, paged_case, step_case
+from tests.attention_cases import context, dense, paged_case, step_case
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ reduce over many partitions, and the smaller float32 tiles at head size 128 (und
 interpreter, as the test configuration runs every kernel without CUDA)."""
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 from minivllm.attention.torch_backend import paged_decode_attention as ref_decode
 from minivllm.attention.torch_backend import paged_prefill_attention as ref_prefill
+from tests.attention_cases import paged_case
 
 
 # -- the fence on pinned host buffers ------------------------------------------------------------
@@ -119,26 +119,11 @@ def test_loader_materialises_parameters_in_the_serving_dtype(tiny_llama, monkeyp
 
 
 # -- kernels: many partitions, float32 tiles at head size 128 --------------------------------------
-def _paged(seq_lens, block_size, kv_heads, head_dim, seed=0):
-    rng = random.Random(seed)
-    need = [-(-n // block_size) for n in seq_lens]
-    ids = list(range(sum(need) + 2))
-    rng.shuffle(ids)
-    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[at:at + n])
-        at += n
-    gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, len(ids), block_size, kv_heads, head_dim, generator=gen)
-    return cache, table
-
-
 def test_decode_reduce_combines_more_partitions_than_one_tile_holds():
     from minivllm.kernels import decode_attention as da
 
     seq_lens = [2500, 70, 1]  # 2500 tokens in partitions of 64: 40 partitions, > BLOCK_S
-    cache, table = _paged(seq_lens, 16, 2, 32)
+    cache, table = paged_case(torch.Generator().manual_seed(0), seq_lens, 2, 32, 16)
     q = torch.randn(3, 4, 32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     expected = ref_decode(q, cache, table, lens, 0.3)
@@ -157,7 +142,7 @@ def test_float32_at_head_size_128_takes_smaller_tiles_and_stays_exact():
     assert da.decode_block_n(torch.float32, 64) == 64
     query_lens, context_lens = [40, 1], [0, 70]
     seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
-    cache, table = _paged(seq_lens, 16, 1, 128, seed=1)
+    cache, table = paged_case(torch.Generator().manual_seed(1), seq_lens, 1, 128, 16)
     q = torch.randn(sum(query_lens), 2, 128)
     qsl = [0, 40, 41]
     expected = ref_prefill(q, cache, qsl, seq_lens, table, 128**-0.5)

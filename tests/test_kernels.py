@@ -26,6 +26,8 @@ from minivllm.model.layers import rms_norm as ref_rms_norm  # noqa: E402
 from minivllm.model.layers import rotary_embedding as ref_rotary  # noqa: E402
 from minivllm.model.layers import silu_and_mul as ref_silu_and_mul  # noqa: E402
 
+from tests.attention_cases import paged_case  # noqa: E402
+
 ATOL = 2e-5  # float32: only the order of the sums differs
 
 
@@ -33,22 +35,12 @@ def _device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _paged_context(rng: random.Random, seq_lens, block_size, num_kv_heads, head_dim,
-                   spare_blocks=3):
-    """A random KV cache and scattered block tables (no block shared) covering ``seq_lens``."""
-    need = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    width = max(need) + rng.randint(0, 2)  # tables are padded with 0 past the last block
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[at:at + n])
-        at += n
+def _paged_context(rng: random.Random, seq_lens, block_size, num_kv_heads, head_dim):
+    """``paged_case`` drawn from ``rng``: scattered block tables (no block shared), padded with
+    0 past each sequence's last block and sometimes wider than the longest needs."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    return cache, table
+    return paged_case(gen, seq_lens, num_kv_heads, head_dim, block_size,
+                      extra_width=rng.randint(0, 2))
 
 
 def _shapes(rng):

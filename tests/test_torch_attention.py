@@ -10,37 +10,8 @@ import torch
 
 from minivllm import cpu_kernels
 from minivllm.attention import torch_backend
-from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend, paged_decode_attention
-
-
-def dense(q, keys, values, positions, scale, window=None):
-    """q [n, heads, d] at ``positions`` over keys/values [len, kv_heads, d] (causal)."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1)
-    v = values.repeat_interleave(group, dim=1)
-    out = torch.empty_like(q)
-    for i, pos in enumerate(positions):
-        lo = 0 if window is None else max(0, pos - window + 1)
-        w = torch.softmax(torch.einsum("hd,khd->hk", q[i], k[lo:pos + 1]) * scale, dim=-1)
-        out[i] = torch.einsum("hk,khd->hd", w, v[lo:pos + 1])
-    return out
-
-
-def paged_case(gen, seq_lens, num_kv_heads, head_dim, block_size=4):
-    """A cache holding each sequence's keys/values in scattered blocks, and its block table."""
-    width = max(-(-n // block_size) for n in seq_lens)
-    num_blocks = len(seq_lens) * width + 3
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    table = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    table = table.view(len(seq_lens), width).to(torch.int32)
-    return cache, table
-
-
-def context(cache, table, i, n):
-    ids = table[i].long()
-    kv = cache[:, ids].flatten(1, 2)  # [2, blocks * block_size, kv_heads, d]
-    return kv[0, :n], kv[1, :n]
+from tests.attention_cases import context, dense, paged_case, step_case
 
 
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 3, 4, 7])
@@ -64,29 +35,6 @@ def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypat
     for i, n in enumerate(seq_lens):
         keys, values = context(cache, table, i, n)
         torch.testing.assert_close(out[i:i + 1], dense(q[i:i + 1], keys, values, [n - 1], 0.3, window))
-
-
-def step_case(gen, query_lens, seq_lens, kv_heads, heads, d, bs, num_decodes):
-    """One step as the runner hands it over: the cache and block table, the step's q/k/v, its
-    query start offsets, each query's position, and its ``AttentionMetadata``."""
-    cache, table = paged_case(gen, seq_lens, kv_heads, d, bs)
-    total = sum(query_lens)
-    q = torch.randn(total, heads, d, generator=gen)
-    k = torch.randn(total, kv_heads, d, generator=gen)
-    v = torch.randn(total, kv_heads, d, generator=gen)
-    qsl = torch.tensor([0] + query_lens).cumsum(0)
-    positions, slots = [], []
-    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
-        for p in range(n - ql, n):
-            positions.append(p)
-            slots.append(int(table[i, p // bs]) * bs + p % bs)
-    meta = AttentionMetadata(
-        num_actual_tokens=total, num_decodes=num_decodes, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table,
-        slot_mapping=torch.tensor(slots), query_start_loc_cpu=qsl.numpy(),
-        seq_lens_cpu=torch.tensor(seq_lens).numpy())
-    return cache, table, q, k, v, qsl, positions, meta
 
 
 @pytest.mark.parametrize("heads_per_kv", [2, 3])
