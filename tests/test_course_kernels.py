@@ -224,6 +224,15 @@ def _rms_kernel():
     return importlib.import_module("minivllm.kernels.rms_norm")._rms_norm_kernel
 
 
+def _launch_rms(kernel, x, residual, weight, eps):
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
+    out, res = torch.empty_like(x2), torch.empty_like(x2)
+    kernel[(x2.shape[0],)](x2, r2, out, res, weight, n, n, n, n, x2.shape[0], n, eps,
+                           HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape), res.view(x.shape)
+
+
 def test_the_package_launcher_under_the_expected_name_fails():
     from minivllm.kernels.rms_norm import rms_norm
 
@@ -238,13 +247,7 @@ def test_launching_the_package_rms_norm_kernel_fails():
     from minivllm.kernels import rms_norm as package
 
     def launcher(x, residual, weight, eps):
-        n = x.shape[-1]
-        x2, r2 = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
-        out, res = torch.empty_like(x2), torch.empty_like(x2)
-        package._rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, out, res, weight, n, n, n, n, x2.shape[0], n, eps, HAS_RESIDUAL=True,
-            BLOCK_ROWS=1, BLOCK=triton.next_power_of_2(n))
-        return out.view(x.shape), res.view(x.shape)
+        return _launch_rms(package._rms_norm_kernel, x, residual, weight, eps)
 
     fails(checks.check_fused_add_rms_norm, launcher, "_rms_norm_kernel")
     # handed over as the learner's kernel (a bare alias), it fails before any case runs
@@ -270,6 +273,21 @@ def test_the_package_fetched_at_run_time_is_hidden():
     assert package.rms_norm.__code__.co_name == "rms_norm"  # restored afterwards
     x = torch.randn(2, 8)
     assert package.rms_norm(x, torch.ones(8), 1e-6).shape == x.shape
+
+
+def test_a_package_kernel_fetched_and_launched_at_run_time_fails():
+    def fetched(x, residual, weight, eps):
+        module = importlib.import_module("minivllm." + "kernels.rms_norm")
+        return _launch_rms(getattr(module, "_rms_norm" + "_kernel"), x, residual, weight, eps)
+
+    fails(checks.check_fused_add_rms_norm, fetched, "while it ran", "_rms_norm_kernel")
+
+    def rejitted(x, residual, weight, eps):
+        module = importlib.import_module("minivllm." + "kernels.rms_norm")
+        kernel = triton.jit(getattr(module, "_rms_norm" + "_kernel").fn)
+        return _launch_rms(kernel, x, residual, weight, eps)
+
+    fails(checks.check_fused_add_rms_norm, rejitted, "while it ran", "_rms_norm_kernel")
 
 
 def test_the_torch_reference_fails_as_a_launcher():
