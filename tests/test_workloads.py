@@ -1,4 +1,4 @@
-"""The workload catalogue (minivllm/benchmarks/workloads.py): one description per workload,
+"""The workload catalogue (minivllm/sim/workloads.py): one description per workload,
 read by the benchmarks' command lines, run on an engine and on the simulated engine alike."""
 
 import argparse
@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 
 from minivllm.benchmarks import long_prompt, shared_prefix, sim
-from minivllm.benchmarks.workloads import (LONG_PROMPT_CPU, LONG_PROMPT_GPU, SHARED_PREFIX_CPU,
-                                           SHARED_PREFIX_GPU, VOCAB, LongPromptAmongChats,
-                                           SharedPrefix)
+from minivllm.sim.workloads import (LONG_PROMPT_CPU, LONG_PROMPT_GPU, SHARED_PREFIX_CPU,
+                                    SHARED_PREFIX_GPU, VOCAB, LongPromptAmongChats, SharedPrefix)
 
 
 def _defaults(module, command: str) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from minivllm.benchmarks.common import machine_info, percentile, stall_window, write_json
-from minivllm.benchmarks.workloads import LONG_PROMPT_CPU, LongPromptAmongChats
+from minivllm.sim.workloads import LONG_PROMPT_CPU, LongPromptAmongChats
 
 
 def add_parser(subparsers, add_engine_args) -> None:
@@ -40,7 +40,7 @@ def add_parser(subparsers, add_engine_args) -> None:
 def run_scenario(model, scheduler_kwargs: dict, num_chats: int, chat_prompt_len: int,
                  long_prompt_len: int, steady_steps: int, seed: int = 0,
                  control_steps: int | None = None, llm=None, extra_steps: int = 1) -> dict:
-    """The workload ``LongPromptAmongChats`` of these sizes (``minivllm.benchmarks.workloads``):
+    """The workload ``LongPromptAmongChats`` of these sizes (``minivllm.sim.workloads``):
     chats decode for ``steady_steps``; then the long prompt arrives, and we step until its
     first token. ``control_steps``: the control run instead — no long prompt, just that many
     more steps — so the chats' own growth (longer contexts, slower decodes) is not blamed on it.

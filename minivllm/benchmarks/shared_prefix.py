@@ -13,7 +13,7 @@ import time
 
 from minivllm.benchmarks.common import machine_info, write_json
 from minivllm.benchmarks.long_prompt import limits_line, measured_limits, save_plot
-from minivllm.benchmarks.workloads import SHARED_PREFIX_CPU, SharedPrefix
+from minivllm.sim.workloads import SHARED_PREFIX_CPU, SharedPrefix
 from minivllm.config import EngineArgs
 from minivllm.utils import cdiv
 

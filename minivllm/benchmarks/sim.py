@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from minivllm.benchmarks.common import write_json
-from minivllm.benchmarks.workloads import LONG_PROMPT_GPU, SHARED_PREFIX_GPU
+from minivllm.sim.workloads import LONG_PROMPT_GPU, SHARED_PREFIX_GPU
 
 
 def add_parser(subparsers, add_engine_args) -> None:

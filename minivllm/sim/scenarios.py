@@ -1,4 +1,4 @@
-"""The workloads of ``minivllm.benchmarks.workloads`` on the simulated engine.
+"""The workloads of ``minivllm.sim.workloads`` on the simulated engine.
 
 At production scale (the course's two scenarios, ``bench sim``):
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from minivllm.benchmarks.workloads import (LONG_PROMPT_GPU, SHARED_PREFIX_GPU,
-                                           LongPromptAmongChats, SharedPrefix)
 from minivllm.utils import cdiv, percentile, stall_window
 from minivllm.config import EngineArgs, SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
+from minivllm.sim.workloads import (LONG_PROMPT_GPU, SHARED_PREFIX_GPU, LongPromptAmongChats,
+                                    SharedPrefix)
 
 GB = 1e9
 _LONG_PROMPT_FIELDS = {f.name for f in dataclasses.fields(LongPromptAmongChats)}
