@@ -20,15 +20,19 @@ import os
 import torch
 
 from minivllm.benchmarks.common import event_median_time, machine_info, write_json
+from minivllm.config import EngineArgs
 from minivllm.utils import cdiv
 
 H200_HBM_BYTES_PER_S = 4.8e12  # the H200 datasheet: peak HBM3e bandwidth
 H200_BF16_FLOPS = 989e12  # its dense bf16 peak (the SXM part, as the H100 SXM; the NVL: 835e12)
 
-FULL = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+# the caches are paged in the engine's default block size
+FULL = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=EngineArgs.block_size,
+            dtype=torch.bfloat16,
             decode_contexts=[1024, 4096, 16384, 32768], decode_batch=32,
             prefill_lens=[512, 1024, 2048, 4096, 8192], prefill_tokens=16384)
-QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=EngineArgs.block_size,
+             dtype=torch.float32,
              decode_contexts=[64, 200], decode_batch=2, prefill_lens=[32, 64], prefill_tokens=64)
 
 
