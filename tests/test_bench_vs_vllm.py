@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -152,32 +153,59 @@ def test_usable_cores_respects_the_affinity_mask():
     assert usable_cpu_cores() >= 1
 
 
-def test_governor_follows_the_cores_other_programs_leave(monkeypatch):
+def test_governor_gives_up_threads_only_while_they_wait_for_cores():
+    from minivllm.engine.core_proc import CpuShareGovernor
+
+    gov = CpuShareGovernor(max_threads=4, interval=0.0)
+    threads = 4
+
+    def window(share: float) -> int:
+        nonlocal threads
+        threads = gov.decide(threads, share)
+        return threads
+
+    assert [window(0.05) for _ in range(6)] == [4] * 6  # runnable neighbours that cost nothing
+    assert window(0.5) == 4  # one contended window is not enough
+    assert window(0.5) == 3  # two in a row: one thread fewer
+    assert [window(0.6) for _ in range(6)] == [3, 2, 2, 1, 1, 1]  # never below one
+
+    def windows_until_a_try(share: float) -> int:
+        start, n = threads, 0
+        while window(share) == start:
+            n += 1
+        return n
+
+    assert windows_until_a_try(0.6) == 1  # four windows after the change, it tries one more
+    assert threads == 2
+    assert window(0.6) == 1  # ... which waits too: back
+    assert windows_until_a_try(0.6) == 6  # the next try comes after twice as many windows
+    assert window(0.6) == 1
+    assert windows_until_a_try(0.6) == 14  # and so on, up to 64
+    assert window(0.05) == 2  # the others left: the try stays
+    assert windows_until_a_try(0.05) == 2 and threads == 3  # it grows back, four windows after
+    assert windows_until_a_try(0.05) == 3 and threads == 4  # each change
+    assert [window(0.05) for _ in range(9)] == [4] * 9  # all of them, and no try above
+
+
+def test_governor_sets_torch_threads_from_measured_waiting(monkeypatch):
     import torch
 
     from minivllm.engine.core_proc import CpuShareGovernor
 
     before = torch.get_num_threads()
-    busy = [0]
-    monkeypatch.setattr(CpuShareGovernor, "others_running", staticmethod(lambda: busy[0]))
-    gov = CpuShareGovernor(max_threads=4, interval=0.0)  # every tick closes a window
+    share = [0.9]
     try:
-        torch.set_num_threads(4)
-        gov.tick()
-        assert torch.get_num_threads() == 4  # quiet: all threads
-        busy[0] = 3
-        gov.tick()
-        assert torch.get_num_threads() == 4  # one window is not enough
-        gov.tick()
-        assert torch.get_num_threads() == 1  # two in a row: 4 - 3
-        busy[0] = 9
+        torch.set_num_threads(2)
+        gov = CpuShareGovernor(max_threads=2, interval=0.0)
+        monkeypatch.setattr(gov, "wait_share", lambda: share[0])
         gov.tick(), gov.tick()
-        assert torch.get_num_threads() == 1  # never below one
-        busy[0] = 0
-        gov.tick(), gov.tick()
-        assert torch.get_num_threads() == 4  # quiet again: all of them back
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    monkeypatch.undo()
-    if os.path.exists("/proc/stat"):  # the real sampler reads /proc on Linux
-        assert CpuShareGovernor.others_running() >= 0
+    if os.path.exists("/proc/self/schedstat"):  # the real measurement, on Linux
+        gov = CpuShareGovernor(max_threads=2)
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:  # run a little, so the window has run time in it
+            pass
+        assert 0.0 <= gov.wait_share() <= 1.0
+        assert gov.last_sched[0] > 0

@@ -21,7 +21,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.core import EngineCore
-from minivllm.engine.core_proc import EngineCoreProc, configure_cpu_threads
+from minivllm.engine.core_proc import CpuShareGovernor, EngineCoreProc, configure_cpu_threads
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType
 from minivllm.executor.abstract import WorkerDiedError
@@ -31,6 +31,8 @@ class InprocClient:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.engine_core = EngineCore(config, show_progress=show_progress)
         self.dead_error: EngineDeadError | None = None
+        # offline too, the torch threads follow the cores other programs leave free
+        self.governor = CpuShareGovernor.for_engine(config)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -46,6 +48,8 @@ class InprocClient:
 
     def get_output(self) -> list[EngineCoreOutput]:
         self._check_alive()
+        if self.governor is not None:
+            self.governor.tick()
         try:
             return self.engine_core.step()
         except WorkerDiedError as e:
@@ -166,6 +170,7 @@ class AsyncInprocClient(AsyncClientBase):
 
     def _run(self) -> None:
         configure_cpu_threads(self.engine_core.config)
+        self.proc.governor = CpuShareGovernor.for_engine(self.engine_core.config)
         try:
             self.proc.run_busy_loop()
         except Exception:

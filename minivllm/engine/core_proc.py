@@ -31,7 +31,7 @@ from minivllm.engine.messages import (
     EngineCoreRequestType,
     UtilityOutput,
 )
-from minivllm.utils import exit_with_parent
+from minivllm.utils import child_process_setup, make_socket
 
 ADD, ABORT, UTILITY, SHUTDOWN = (
     EngineCoreRequestType.ADD,
@@ -153,68 +153,111 @@ def configure_cpu_threads(config) -> None:
 class CpuShareGovernor:
     """Fits the engine core's torch threads to the cores other programs leave free, while it runs.
 
-    torch's threads meet at the end of every parallel op; when another program takes the core
+    torch's threads meet at the end of every parallel op; when another program holds the core
     of one of them, the others wait for it, op after op. On a 2-core machine that other
-    programs also kept busy (load average about 10), a server whose core ran 2 threads
-    streamed 4.8 output tokens/s against 37.9 with 1 (docs/serving_speed.md). So every
-    ``interval`` seconds of stepping it samples how many threads of *other* processes are
-    runnable (``/proc/stat``'s ``procs_running`` minus this process's own), and between steps
-    sets ``max_threads - round(mean)`` threads (at least 1) once two windows in a row agree
-    (a sample at most every ``interval / samples`` seconds, one per step when steps are longer).
-    On a quiet machine the mean stays near 0 and the core keeps all its threads. Linux only
-    (elsewhere, and with OMP_NUM_THREADS set, it does nothing)."""
+    programs kept busy, a server whose core ran 2 threads streamed 4.8 output tokens/s against
+    37.9 with 1 (docs/serving_speed.md). But the server's own API process and a local client
+    are runnable too, in short bursts between steps, and those cost the threads little:
+    counting them as load halved a quiet machine's served throughput.
 
-    def __init__(self, max_threads: int, interval: float = 2.0, samples: int = 8) -> None:
+    So it measures the cost itself: every ``interval`` seconds of stepping, the share of the
+    time this process's threads were runnable that they spent waiting for a core (the kernel's
+    run-queue delay, ``/proc/self/task/*/schedstat``). At ``contended`` or more, it gives up a
+    thread, once two windows in a row agree. With fewer threads than it may use, it tries one
+    more for a window from time to time (after 4 windows, then 8, 16, ... up to 64 while the
+    tries fail) and keeps it if the waiting stays low. Linux only (elsewhere, and with
+    OMP_NUM_THREADS set, it does nothing)."""
+
+    MAX_BACKOFF = 64
+
+    def __init__(self, max_threads: int, interval: float = 2.0, contended: float = 0.2) -> None:
         self.max_threads = max_threads
         self.interval = interval
-        self.sample_every = interval / samples
-        self.samples: list[int] = []
-        self.last_sample = self.window_start = 0.0
-        self.pending: int | None = None
-        self.enabled = max_threads > 1 and os.path.exists("/proc/stat")
+        self.contended = contended
+        self.window_start = 0.0
+        self.high = 0  # windows in a row at or above ``contended``
+        self.backoff = 4  # windows to wait before trying one more thread
+        self.since_change = 0
+        self.trying: int | None = None  # the thread count to go back to if the try fails
+        self.enabled = max_threads > 1 and os.path.exists("/proc/self/schedstat")
+        self.last_sched = self.own_run_and_wait() if self.enabled else (0, 0)
+
+    @classmethod
+    def for_engine(cls, config) -> "CpuShareGovernor | None":
+        """A governor over the torch threads this process has now, where the thread rule
+        applies (a CPU engine, no OMP_NUM_THREADS), else None."""
+        if engine_core_cpu_threads(config) is None:
+            return None
+        import torch
+
+        return cls(torch.get_num_threads())
 
     @staticmethod
-    def others_running() -> int:
-        with open("/proc/stat", "rb") as f:
-            running = next(int(line.split()[1]) for line in f if line.startswith(b"procs_running"))
-        mine = 0
+    def own_run_and_wait() -> tuple[int, int]:
+        """Nanoseconds this process's live threads have run, and waited runnable for a core."""
+        ran = waited = 0
         for tid in os.listdir("/proc/self/task"):
             try:
-                with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                    state = f.read().rpartition(b")")[2].split()[0]
-            except (OSError, IndexError):
-                continue
-            mine += state == b"R"
-        return max(0, running - mine)
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    r, w = f.read().split()[:2]
+            except (OSError, ValueError):
+                continue  # the thread ended
+            ran, waited = ran + int(r), waited + int(w)
+        return ran, waited
+
+    def wait_share(self) -> float:
+        """The share of the time since the last call that this process's threads spent waiting
+        for a core, of the time they were runnable (ran or waited)."""
+        ran, waited = self.own_run_and_wait()
+        d_ran = max(0, ran - self.last_sched[0])
+        d_waited = max(0, waited - self.last_sched[1])
+        self.last_sched = (ran, waited)
+        return d_waited / (d_ran + d_waited) if d_ran + d_waited else 0.0
+
+    def decide(self, current: int, share: float) -> int:
+        """The thread count for the next window, given this window's wait share."""
+        self.since_change += 1
+        if self.trying is not None:  # the window of a try just ended
+            back, self.trying = self.trying, None
+            if share >= self.contended:
+                self.backoff = min(self.MAX_BACKOFF, self.backoff * 2)
+                self.high = 0
+                return back
+            self.backoff = 4
+        self.high = self.high + 1 if share >= self.contended else 0
+        if self.high >= 2 and current > 1:
+            self.high = self.since_change = 0
+            return current - 1
+        if current < self.max_threads and self.since_change >= self.backoff:
+            self.trying, self.since_change = current, 0
+            return current + 1
+        return current
 
     def tick(self) -> None:
-        """Called between steps; cheap unless a sample is due."""
+        """Called between steps; cheap unless a window ended."""
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self.last_sample < self.sample_every:
-            return
-        self.last_sample = now
-        try:
-            self.samples.append(self.others_running())
-        except (OSError, StopIteration, ValueError):
-            self.enabled = False
-            return
         if now - self.window_start < self.interval:
             return
         self.window_start = now
+        try:
+            share = self.wait_share()
+        except OSError:
+            self.enabled = False
+            return
         import torch
 
-        busy = round(sum(self.samples) / len(self.samples))
-        self.samples.clear()
-        want = max(1, self.max_threads - busy)
-        if want == torch.get_num_threads():
-            self.pending = None
-        elif self.pending == want:  # two windows in a row: switch
+        current = torch.get_num_threads()
+        want = self.decide(current, share)
+        if _GOVERNOR_LOG:
+            print(f"governor threads={current} wait_share={share:.3f} want={want}",
+                  file=sys.stderr, flush=True)
+        if want != current:
             torch.set_num_threads(want)
-            self.pending = None
-        else:
-            self.pending = want
+
+
+_GOVERNOR_LOG = os.environ.get("MINIVLLM_GOVERNOR_LOG") == "1"
 
 
 # -- the engine core process ------------------------------------------------------------------
@@ -225,18 +268,12 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
 
     from minivllm.engine import serial
 
-    exit_with_parent("EngineCoreParentWatch")
-    # Ctrl-C reaches the whole process group: the front end owns the shutdown and will tell us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child_process_setup("EngineCoreParentWatch")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     ctx = zmq.Context()
-    out_socket = ctx.socket(zmq.PUSH)
-    out_socket.setsockopt(zmq.SNDHWM, 0)
-    out_socket.connect(output_address)
-    in_socket = ctx.socket(zmq.PULL)
-    in_socket.setsockopt(zmq.RCVHWM, 0)
-    in_socket.connect(input_address)
+    out_socket = make_socket(ctx, zmq.PUSH, output_address, bind=False)
+    in_socket = make_socket(ctx, zmq.PULL, input_address, bind=False)
 
     try:
         configure_cpu_threads(config)
@@ -251,8 +288,7 @@ def run_engine_core(config, input_address: str, output_address: str, show_progre
                                                   .kv_cache_manager.num_blocks)))
 
     output_queue: queue.Queue = queue.Queue()
-    threads = engine_core_cpu_threads(config)
-    governor = CpuShareGovernor(threads) if threads is not None else None
+    governor = CpuShareGovernor.for_engine(config)  # after configure_cpu_threads
     proc = EngineCoreProc(engine_core, output_queue.put, governor)
     stop = threading.Event()
     reader = threading.Thread(target=_process_input_socket, args=(in_socket, proc.input_queue, stop),
