@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import random
 import sys
 import types
@@ -578,9 +577,7 @@ def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
                             expected, 1e-4, 1e-4, SPLIT_CONVENTION, hint)
             cases.append(label)
         _decode_in_engine(exercise, "split-K reduction (2 partitions per sequence)",
-                          functools.partial(fn, num_splits=2)
-                          if "num_splits" in inspect.signature(flash_decode).parameters
-                          else (lambda *args: fn(*args, 2)))
+                          lambda *args: fn(*args, 2))
 
     _grade(exercise, seed, flash_decode, kernel, True, run_cases)
     passed(exercise, f"flash-decoding with your reduction matches the reference on {len(cases)} "

@@ -255,14 +255,22 @@ def _check_hasher_in_engine(update_block_hashes, exercise: str) -> None:
     finally:
         manager.block_hasher = saved
         llm.llm_engine.reset_prefix_cache()
-    for rid, _, salt, desc in (r for wave in waves for r in wave):
+    descs = {rid: f" ({desc})" for wave in waves for rid, _, _, desc in wave}
+    _same_runs(exercise, llm, "with your hash chain (blocks of 8 tokens)", got, expected, descs,
+               CHAIN_CONVENTION)
+
+
+def _same_runs(exercise: str, llm, what: str, got: dict, expected: dict, descs: dict,
+               convention: str = "") -> None:
+    """The same prefix-cache hits and greedy tokens for every request (``run_waves``)."""
+    for rid in expected:
         if got[rid][1] != expected[rid][1]:
-            fail(exercise, f"in the engine (blocks of 8 tokens) with your hash chain, request {rid!r} "
-                           f"({desc}) found {got[rid][1]} prompt tokens in the prefix cache; with the "
-                           f"reference's, {expected[rid][1]}. {CHAIN_CONVENTION}")
-    labels = [rid for wave in waves for rid, *_ in wave]
-    compare_generations(exercise, "with your hash chain", llm, labels,
-                        [got[r][0] for r in labels], [expected[r][0] for r in labels])
+            fail(exercise, f"in the engine {what}, request {rid!r}{descs.get(rid, '')} found "
+                           f"{got[rid][1]} prompt tokens in the prefix cache; with the "
+                           f"reference's, {expected[rid][1]}. {convention}".rstrip())
+    labels = list(expected)
+    compare_generations(exercise, what, llm, labels, [got[r][0] for r in labels],
+                        [expected[r][0] for r in labels])
 
 
 # -- Exercise 6.2: the block pool -----------------------------------------------------------------
@@ -508,11 +516,4 @@ def _check_pool_in_engine(cls, exercise: str) -> None:
     if got_stats != expected_stats:
         fail(exercise, f"the engine built with your pool (14 blocks of 4 tokens) counted "
                        f"{got_stats}; with the reference pool {expected_stats}. {POOL_CONVENTION}")
-    for rid in expected:
-        if got[rid][1] != expected[rid][1]:
-            fail(exercise, f"in the engine built with your pool, request {rid} found "
-                           f"{got[rid][1]} prompt tokens in the prefix cache; with the reference "
-                           f"pool {expected[rid][1]}.")
-    labels = list(expected)
-    compare_generations(exercise, "built with your block pool", llm, labels,
-                        [got[r][0] for r in labels], [expected[r][0] for r in labels])
+    _same_runs(exercise, llm, "built with your block pool", got, expected, {})

@@ -51,7 +51,7 @@ ROW_ALLOWED = ("torch.distributed.all_reduce (or the package's tensor_model_para
 QKV_ANSWER = ("minivllm.model.parallel_layers:kv_head_partition",
               "minivllm.model.parallel_layers:QKVParallelLinear.weight_loader",
               "minivllm.model.parallel_layers:ColumnParallelLinear.weight_loader",
-              "minivllm.course.checks.tp:_reference_shard")
+              "minivllm.course.checks.tp:_heads_of")
 
 
 # -- Exercise 12.1: the row-parallel linear on two gloo ranks ----------------------------------
@@ -333,16 +333,14 @@ QKV_SETUPS = [
 ]
 
 
-def _reference_shard(t: torch.Tensor, heads: int, kv: int, tp: int, rank: int, which: str):
-    d = t.shape[0] // (heads if which == "q" else kv)
+def _heads_of(rows: int, heads: int, kv: int, tp: int, rank: int, which: str):
+    """(first head, number of heads, head dim) of ``which`` (q, k or v) that ``rank`` holds."""
+    d = rows // (heads if which == "q" else kv)
     if which == "q":
-        per = heads // tp
-        return t[rank * per * d:(rank + 1) * per * d]
+        return rank * (heads // tp), heads // tp, d
     if kv >= tp:
-        per = kv // tp
-        return t[rank * per * d:(rank + 1) * per * d]
-    head = rank // (tp // kv)
-    return t[head * d:(head + 1) * d]
+        return rank * (kv // tp), kv // tp, d
+    return rank // (tp // kv), 1, d  # a KV head replicated over tp // kv ranks
 
 
 def _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank):
@@ -355,14 +353,11 @@ def _call_learner(shard_qkv, exercise, q, k, v, heads, kv, tp, rank):
 
 def _check_shards(exercise, where, out, q, k, v, heads, kv, tp, rank) -> None:
     for name, got, full in zip("qkv", out, (q, k, v)):
-        expected = _reference_shard(full, heads, kv, tp, rank, name)
+        first, count, d = _heads_of(full.shape[0], heads, kv, tp, rank, name)
+        expected = full[first * d:(first + count) * d]
         if isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape) \
                 and torch.equal(got, expected):
             continue
-        d = full.shape[0] // (heads if name == "q" else kv)
-        first = (rank * (heads // tp) if name == "q" else
-                 rank * (kv // tp) if kv >= tp else rank // (tp // kv))
-        count = heads // tp if name == "q" else max(1, kv // tp)
         detail = (f"expected its {name} rows {first * d}:{(first + count) * d} "
                   f"({'query' if name == 'q' else 'KV'} head{'s' if count > 1 else ''} "
                   f"{first}{f'..{first + count - 1}' if count > 1 else ''})")
