@@ -114,6 +114,26 @@ def test_cli_has_the_subcommand():
     assert args.func is vs_vllm.main and args.shape == ["128:128:32:8", "512:32:32:16"]
     with pytest.raises(ValueError, match="vllm_venv"):
         vs_vllm.main(args)  # no such venv: said before anything starts
+    args = build_parser().parse_args(["bench", "vs-vllm"])
+    with pytest.raises(ValueError, match="--vllm-venv is needed"):
+        vs_vllm.main(args)
+
+
+def test_a_saved_result_is_shown_and_drawn(raw, tmp_path, capsys):
+    import matplotlib.image
+
+    from minivllm.entrypoints.cli import build_parser
+
+    result, name, a = _result(raw)
+    result["machine"] = {"date": "2026-12-03", "cpu_count": 2, "torch": "2.13.0+cpu"}
+    saved, png = tmp_path / "vs.json", tmp_path / "vs.png"
+    saved.write_text(json.dumps(result))
+    args = build_parser().parse_args(["bench", "vs-vllm", "--from-json", str(saved),
+                                      "--plot", str(png)])
+    assert vs_vllm.main(args) == 0
+    assert vs_vllm.format_table(result) in capsys.readouterr().out
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 2 * height > 0  # three panels side by side
 
 
 def test_engine_core_thread_rule(monkeypatch):

