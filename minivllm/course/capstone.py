@@ -1,7 +1,7 @@
 """Chapter 11's tools: the ablation ladder (``RUNGS``) served and measured (``serve_and_bench``,
 ``serving_in_thread``), the simulator's cost model calibrated from an engine's measured steps
-(``calibrate``), chapters 04-06's scenarios on the simulated engine (``sim_long_prompt``,
-``sim_shared_prefix``), and the simulated serving runs Exercise 11.1 tunes (``evaluate_goodput``).
+(``calibrate``), and the simulated serving runs Exercise 11.1 tunes (``evaluate_goodput``). The
+workloads and the simulated runs of chapters 04-06's scenarios: ``minivllm.sim``.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
-from dataclasses import dataclass
 
 from minivllm.benchmarks.shared_prefix import run_all_at_once  # noqa: F401 (the chapter's name)
-from minivllm.config import SchedulerConfig
+from minivllm.config import EngineArgs, SchedulerConfig
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.engine import SimEngine
+from minivllm.sim.workloads import ServingWorkload, chat_and_documents  # noqa: F401 (11.1)
 from minivllm.utils import percentile
 
 # -- the ablation ladder ---------------------------------------------------------------------
@@ -260,7 +259,7 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
     return fitted
 
 
-# -- chapters 04-06's scenarios on the simulated engine ------------------------------------------
+# -- a real engine's scheduler settings, for the simulated engine (chapters 04-06's scenarios) ----
 
 def scheduler_config_of(scheduler) -> tuple[str, SchedulerConfig]:
     """("v0" or "v1", the SchedulerConfig) a real engine's scheduler runs with, for a simulated
@@ -274,96 +273,12 @@ def scheduler_config_of(scheduler) -> tuple[str, SchedulerConfig]:
         long_prefill_token_threshold=scheduler.long_prefill_token_threshold)
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 30000) for _ in range(n)]
-
-
-def sim_long_prompt(cm: CostModel, scheduler: str, config: SchedulerConfig, num_chats: int,
-                    chat_prompt_len: int, long_prompt_len: int, steady_steps: int,
-                    extra_steps: int = 1, num_blocks: int = 4096, block_size: int = 16,
-                    seed: int = 0) -> dict:
-    """``minivllm bench long-prompt``'s scenario (``run_scenario``) on the simulated engine: the
-    chats decode until each has ``steady_steps`` tokens, then the long prompt arrives; run until
-    its first token, then ``extra_steps`` more. Same keys as ``run_scenario``'s result, in
-    simulated seconds."""
-    rng = random.Random(seed)
-    sim = SimEngine(num_blocks, block_size, scheduler=scheduler, scheduler_config=config,
-                    cost_model=cm)
-    chats = [f"chat-{i}" for i in range(num_chats)]
-    for rid in chats:
-        sim.add_request(rid, _tokens(rng, chat_prompt_len), config.max_model_len - chat_prompt_len)
-    while min(len(sim.records[r].token_times) for r in chats) < steady_steps:
-        sim.step()
-    arrival = sim.clock
-    sim.add_request("long", _tokens(rng, long_prompt_len), 2, arrival)
-    steps = 0
-    while not sim.records["long"].token_times:
-        sim.step()
-        steps += 1
-    for _ in range(max(extra_steps, 1)):
-        sim.step()
-    return {"steps": steps, "long_prompt_ttft_s": sim.records["long"].ttft, "arrival": arrival,
-            "window_end": sim.records["long"].token_times[0],
-            "token_times": {r: list(rec.token_times) for r, rec in sim.records.items()},
-            "trace": sim.step_trace}
-
-
-def sim_shared_prefix(cm: CostModel, config: SchedulerConfig, prompts: list[list[int]],
-                      output_len: int, caching: bool, num_blocks: int,
-                      block_size: int = 16) -> dict:
-    """``minivllm bench shared-prefix``'s run (``run_once``) on the simulated engine: every
-    prompt arrives at once. TTFT per request, in the order of ``prompts``, and the peak of KV
-    blocks in use."""
-    sim = SimEngine(num_blocks, block_size, scheduler_config=config,
-                    enable_prefix_caching=caching, cost_model=cm)
-    for i, p in enumerate(prompts):
-        sim.add_request(str(i), list(p), output_len, 0.0)
-    records = sim.run()
-    ttfts = [records[str(i)].ttft for i in range(len(prompts))]
-    return {"ttfts_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts),
-            "peak_kv_blocks_used": sim.peak_blocks_used}
-
-
 # -- Exercise 11.1: goodput under P99 targets, simulated -------------------------------------
 
 KNOBS = ("max_num_batched_tokens", "long_prefill_token_threshold", "max_num_seqs")
 TARGET_KEYS = ("p99_ttft_ms", "p99_itl_ms")
 # the request rates (requests/s) at which a configuration is tried
 GOODPUT_RATES: tuple[float, ...] = tuple(float(r) for r in range(4, 36, 4))
-
-
-@dataclass(frozen=True)
-class ServingWorkload:
-    """Requests as (prompt tokens, output tokens), in arrival order, and the gaps between their
-    arrivals at one request per second (exponential: a Poisson process; at rate r each gap is
-    divided by r, so every rate sees the same requests in the same pattern)."""
-
-    requests: tuple[tuple[int, int], ...]
-    unit_gaps: tuple[float, ...]
-    description: str
-
-    @property
-    def max_model_len(self) -> int:
-        return max(p + o for p, o in self.requests) + 16
-
-
-def chat_and_documents(num_requests: int = 48, seed: int = 0, document_fraction: float = 1 / 8,
-                       chat_prompt: tuple[int, int] = (100, 1000),
-                       document_prompt: tuple[int, int] = (3000, 6000),
-                       output: tuple[int, int] = (8, 32)) -> ServingWorkload:
-    """Chats (short prompts) and, now and then, a document to summarise (a long prompt); short
-    answers. Lengths uniform in the given ranges, seeded."""
-    rng = random.Random(seed)
-    requests, gaps = [], []
-    for _ in range(num_requests):
-        long = rng.random() < document_fraction
-        prompt = rng.randint(*(document_prompt if long else chat_prompt))
-        requests.append((prompt, rng.randint(*output)))
-        gaps.append(rng.expovariate(1.0))
-    desc = (f"{num_requests} requests: chats of {chat_prompt[0]}-{chat_prompt[1]} prompt tokens, "
-            f"about 1 in {round(1 / document_fraction)} a document of {document_prompt[0]}-"
-            f"{document_prompt[1]}; {output[0]}-{output[1]} output tokens each")
-    return ServingWorkload(tuple(requests), tuple(gaps), desc)
 
 
 def config_problem(config, knobs=KNOBS) -> str | None:
@@ -396,7 +311,7 @@ def simulate_at_rate(config: dict, workload: ServingWorkload, rate: float,
                          max_num_batched_tokens=int(config["max_num_batched_tokens"]),
                          max_model_len=workload.max_model_len, enable_chunked_prefill=True,
                          long_prefill_token_threshold=int(config["long_prefill_token_threshold"]))
-    block_size = 16
+    block_size = EngineArgs.block_size
     num_blocks = sum(-(-(p + o) // block_size) for p, o in workload.requests) + 16
     sim = SimEngine(num_blocks, block_size, scheduler_config=sc, enable_prefix_caching=False,
                     cost_model=cost_model)

@@ -8,6 +8,8 @@ token ids (seeded).
 * ``SharedPrefix``: requests that share one system prompt (what prefix caching is for).
   ``SHARED_PREFIX_CPU`` is ``bench shared-prefix``'s default; ``SHARED_PREFIX_GPU`` the
   simulated engine's (``bench sim``, chapter 06).
+* ``chat_and_documents``: chats and now and then a long document, arriving as a Poisson process
+  (``ServingWorkload``), for a simulated serving run at a request rate (chapter 11's goodput).
 
 A workload says what arrives, not who serves it: ``benchmarks/long_prompt.py`` and
 ``benchmarks/shared_prefix.py`` run these on an engine, ``sim/scenarios.py`` on the simulated
@@ -112,3 +114,37 @@ SHARED_PREFIX_CPU = SharedPrefix()
 # the first computes it alone, the others arrive from 5 s on, over 10 s
 SHARED_PREFIX_GPU = SharedPrefix(num_requests=1000, prefix_len=30000, suffix_len=200,
                                  output_len=100, first_alone_s=5.0, spread_s=10.0)
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """Requests as (prompt tokens, output tokens), in arrival order, and the gaps between their
+    arrivals at one request per second (exponential: a Poisson process; at rate r each gap is
+    divided by r, so every rate sees the same requests in the same pattern)."""
+
+    requests: tuple[tuple[int, int], ...]
+    unit_gaps: tuple[float, ...]
+    description: str
+
+    @property
+    def max_model_len(self) -> int:
+        return max(p + o for p, o in self.requests) + 16
+
+
+def chat_and_documents(num_requests: int = 48, seed: int = 0, document_fraction: float = 1 / 8,
+                       chat_prompt: tuple[int, int] = (100, 1000),
+                       document_prompt: tuple[int, int] = (3000, 6000),
+                       output: tuple[int, int] = (8, 32)) -> ServingWorkload:
+    """Chats (short prompts) and, now and then, a document to summarise (a long prompt); short
+    answers. Lengths uniform in the given ranges, seeded."""
+    rng = random.Random(seed)
+    requests, gaps = [], []
+    for _ in range(num_requests):
+        long = rng.random() < document_fraction
+        prompt = rng.randint(*(document_prompt if long else chat_prompt))
+        requests.append((prompt, rng.randint(*output)))
+        gaps.append(rng.expovariate(1.0))
+    desc = (f"{num_requests} requests: chats of {chat_prompt[0]}-{chat_prompt[1]} prompt tokens, "
+            f"about 1 in {round(1 / document_fraction)} a document of {document_prompt[0]}-"
+            f"{document_prompt[1]}; {output[0]}-{output[1]} output tokens each")
+    return ServingWorkload(tuple(requests), tuple(gaps), desc)
