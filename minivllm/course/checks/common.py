@@ -17,6 +17,7 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.course.grading import (  # noqa: F401 - re-exported: the graders' one vocabulary
     CheckFailed, Delegated, Exercise, fail, first_difference, passed,
 )
+from minivllm.testing import model_runner
 
 
 def _at(index: tuple[int, ...]) -> str:
@@ -147,11 +148,6 @@ def check_engine():
 
     return LLM(check_model_path(), show_progress=False, device="cpu", block_size=8,
                num_kv_blocks=512, max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=16)
-
-
-def model_runner(llm):
-    """The engine's ModelRunner (the engine core runs in this process)."""
-    return llm.llm_engine.engine_core.engine_core.model_runner
 
 
 class DecodeBackend(AttentionBackend):

@@ -24,10 +24,11 @@ import torch
 from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
     CheckFailed, Exercise, compare_tensors, decodes_through, fail, first_difference,
-    greedy_token_ids, model_runner, passed, write_tiny_checkpoint,
+    greedy_token_ids, passed, write_tiny_checkpoint,
 )
 from minivllm.course.grading import _triton_fn
 from minivllm.model.layers import rms_norm as reference_rms_norm
+from minivllm.testing import model_runner
 
 # -- the package's kernels and torch references are the answer: refused however they are reached
 

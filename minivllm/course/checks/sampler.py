@@ -12,9 +12,10 @@ import math
 import torch
 
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, Exercise, check_engine, compare_generations, fail, greedy_token_ids, model_runner, passed,
+    ENGINE_PROMPTS, Exercise, check_engine, compare_generations, fail, greedy_token_ids, passed,
 )
 from minivllm.sample.sampler import SamplingMetadata, apply_top_k_top_p
+from minivllm.testing import model_runner
 
 VOCAB = 24
 SAMPLES = 6000
