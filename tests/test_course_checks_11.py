@@ -41,6 +41,22 @@ def fixed(config):
     return tune
 
 
+@functools.lru_cache(maxsize=None)
+def shortfall(budget, threshold, seqs):
+    """(this choice's goodput, the grader's search's) on the simulated engine, for the first
+    set of targets drawn with seed 0 at which the choice sustains less: what the grader must
+    report. None if it never falls short."""
+    workload = chat_and_documents()
+    for targets in draw_targets(0):
+        def goodput_of(config):
+            return evaluate_goodput(config, workload, targets)
+        mine = goodput_of(_config(budget, threshold, seqs))["goodput"]
+        best = goodput_of(_reference_choice(goodput_of))["goodput"]
+        if mine < best:
+            return mine, best
+    return None
+
+
 # -- a correct answer ------------------------------------------------------------------------
 
 def test_a_search_that_reaches_the_reference_passes(capsys):
@@ -69,13 +85,15 @@ def test_the_simulation_is_deterministic():
 
 def test_maximising_throughput_and_ignoring_the_itl_target_fails_naming_it():
     # a GPU's default budget: whole documents in one step, every decode in it waits
-    message = _fails(fixed(_config(8192, 0, 256)), "P99 ITL", "> 25 ms (by", "the grader's "
-                     "search sustains 24", "max_num_batched_tokens")
+    _, best = shortfall(8192, 0, 256)
+    message = _fails(fixed(_config(8192, 0, 256)), "P99 ITL", "> 25 ms (by",
+                     f"grader's search sustains {best:g}", "max_num_batched_tokens")
     assert "max_num_batched_tokens=8192" in message
 
 
 def test_a_budget_too_large_for_any_rate_says_it_misses_at_the_lowest_rate():
-    _fails(fixed(_config(2048, 0, 256)), "even at the lowest rate, 4 requests/s", "P99 ITL")
+    lowest = f"even at the lowest rate, {GOODPUT_RATES[0]:g} requests/s"
+    _fails(fixed(_config(2048, 0, 256)), lowest, "P99 ITL")
 
 
 def test_too_few_sequences_fails_on_the_ttft_target():
@@ -97,7 +115,10 @@ def test_a_table_keyed_on_targets_fails_on_targets_drawn_at_grading():
 
 
 def test_an_over_cautious_choice_reaches_less_goodput():
-    _fails(fixed(_config(256, 0, 64)), "sustains 20 requests/s", "grader's search sustains 24")
+    mine, best = shortfall(256, 0, 64)
+    assert 0 < mine < best
+    _fails(fixed(_config(256, 0, 64)), f"sustains {mine:g} requests/s within them; the grader's "
+           f"search sustains {best:g}.")
 
 
 @pytest.mark.parametrize("returned, fragment", [
