@@ -72,11 +72,13 @@ def _result(raw):
                   mean_ttft_ms=a["mean_ttft_ms"] / 2, mean_tpot_ms=a["mean_tpot_ms"] * 0.8)
     slower = dict(a, output_throughput=a["output_throughput"] * 0.5)
     rounds = [{"minivllm": faster, "vllm": a}, {"vllm": slower, "minivllm": faster}]
-    name = vs_vllm.shape_name(vs_vllm.parse_shape("32:8:8:4"))
+    shape = vs_vllm.parse_shape("32:8:8:4")
+    name = vs_vllm.shape_name(shape)
     off_rounds = [{"minivllm": {"output_throughput": 60.0}, "vllm": {"output_throughput": 50.0}}]
     return {
         "limits": {"start": {"matmul_gflops": 150.0, "read_gb_per_s": 20.0, "load_average": 1.5}},
-        "served": {name: {"rounds": rounds, "median": vs_vllm.summarize_rounds(rounds)}},
+        "served": {name: {"shape": shape, "rounds": rounds,
+                          "median": vs_vllm.summarize_rounds(rounds)}},
         "offline": {"rounds": off_rounds, "median": vs_vllm.summarize_rounds(off_rounds),
                     "same_tokens": {"requests": 47, "of": 48}},
     }, name, a
