@@ -158,7 +158,7 @@ class CpuShareGovernor:
     programs kept busy, a server whose core ran 2 threads streamed 4.8 output tokens/s against
     37.9 with 1 (docs/serving_speed.md). But the server's own API process and a local client
     are runnable too, in short bursts between steps, and those cost the threads little:
-    counting them as load halved a quiet machine's served throughput.
+    counting them as load cost a quiet machine a third of its served throughput.
 
     So it measures the cost itself: every ``interval`` seconds of stepping, the share of the
     time this process's threads were runnable that they spent waiting for a core (the kernel's
