@@ -127,7 +127,8 @@ def test_a_saved_result_is_shown_and_drawn(raw, tmp_path, capsys):
     from minivllm.entrypoints.cli import build_parser
 
     result, name, a = _result(raw)
-    result["machine"] = {"date": "2026-12-03", "cpu_count": 2, "torch": "2.13.0+cpu"}
+    result["machine"] = {"date": "2026-12-03", "cpu_count": 2, "torch_threads": 2,
+                         "torch": "2.13.0+cpu"}
     saved, png = tmp_path / "vs.json", tmp_path / "vs.png"
     saved.write_text(json.dumps(result))
     args = build_parser().parse_args(["bench", "vs-vllm", "--from-json", str(saved),

@@ -130,14 +130,14 @@ def limits_line(limits: dict) -> str:
 
 
 
-def save_plot(fig, path: str, bench: str, machine: dict) -> None:
-    """Title a benchmark's figure with the machine it ran on and its measured limits, save it as
-    a PNG at ``path`` and close it."""
+def save_plot(fig, path: str, bench: str, machine: dict, limits: str | None = None) -> None:
+    """Title a benchmark's figure with the machine it ran on and its measured limits (``limits``:
+    instead of the machine's own line), save it as a PNG at ``path`` and close it."""
     import matplotlib.pyplot as plt
 
     fig.suptitle(f"minivllm bench {bench} — {machine['date']}, {machine['cpu_count']} CPUs, "
                  f"{threads_text(machine)}, torch {machine['torch']}; "
-                 f"{limits_line(machine)}", fontsize=9)
+                 f"{limits or limits_line(machine)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -464,17 +464,12 @@ def plot(path: str, result: dict) -> None:
         ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=7)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
-    machine, limits = result.get("machine", {}), result.get("limits", {})
+    from minivllm.benchmarks.long_prompt import save_plot
+
     lim = "; ".join(f"{when}: GEMM {v['matmul_gflops']:.0f} GFLOP/s, read "
                     f"{v['read_gb_per_s']:.0f} GB/s, load {v['load_average']:.1f}"
-                    for when, v in limits.items())
-    fig.suptitle(f"minivllm bench vs-vllm — {machine.get('date', '')}, "
-                 f"{machine.get('cpu_count', '?')} CPUs, torch {machine.get('torch', '')}; "
-                 f"limits {lim}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+                    for when, v in result.get("limits", {}).items())
+    save_plot(fig, path, "vs-vllm", result.get("machine", {}), "limits " + lim)
 
 
 def main(args) -> int:
