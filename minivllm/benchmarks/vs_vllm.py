@@ -441,7 +441,11 @@ def plot(path: str, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    served = result.get("served", {})
+    from minivllm.benchmarks.long_prompt import save_plot
+
+    served = [(f"{sh['shape']['input_len']}→{sh['shape']['output_len']}\n"
+               f"{sh['shape']['num_prompts']}×, {sh['shape']['max_concurrency']} at once",
+               sh.get("median", {})) for sh in result.get("served", {}).values()]
     offline = result.get("offline", {}).get("median", {})
     panels = [("output_throughput", "output tokens/s (higher is better)", 1.0),
               ("mean_ttft_ms", "mean TTFT, s (lower is better)", 1e-3),
@@ -449,11 +453,8 @@ def plot(path: str, result: dict) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
     colors = {"minivllm": "tab:blue", "vllm": "tab:gray"}
     for ax, (key, title, scale) in zip(axes, panels):
-        groups = [(f"{sh['shape']['input_len']}→{sh['shape']['output_len']}\n"
-                   f"{sh['shape']['num_prompts']}×, {sh['shape']['max_concurrency']} at once",
-                   sh.get("median", {})) for sh in served.values()]
-        if key == "output_throughput" and offline:
-            groups.append(("offline\nmixed", offline))
+        groups = served + ([("offline\nmixed", offline)]
+                           if key == "output_throughput" and offline else [])
         for i, server in enumerate(SERVERS):
             xs = [g for g, (_, med) in enumerate(groups) if server in med]
             ys = [groups[g][1][server][key] * scale for g in xs]
@@ -464,8 +465,6 @@ def plot(path: str, result: dict) -> None:
         ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=7)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
-    from minivllm.benchmarks.long_prompt import save_plot
-
     lim = "; ".join(f"{when}: GEMM {v['matmul_gflops']:.0f} GFLOP/s, read "
                     f"{v['read_gb_per_s']:.0f} GB/s, load {v['load_average']:.1f}"
                     for when, v in result.get("limits", {}).items())

@@ -11,13 +11,14 @@ scheduler output is a diff (``minivllm/core/sched_output.py``). ``broadcast_stat
 the bytes and the time spent pickling and sending.
 
 Failure: while it waits for an answer the executor checks that all its workers are alive
-whenever its socket stays quiet for ``LIVENESS_POLL_MS`` (100 ms); a dead worker (killed, crashed, out of memory) raises ``WorkerDiedError`` in
-the engine core, which takes the core-death path (``EngineDeadError`` for every request in
-flight) instead of hanging. A worker that raises sends its traceback instead of an answer.
-The workers are stopped on shutdown, when the executor is garbage-collected or at exit
-(``owner_finalizer``), and each exits by itself if the process that spawned it dies. The
-sockets, the spawn, the liveness rule and the resources to release are ``minivllm.utils``'
-helpers, shared with the engine-core client (``engine/core_client_mp.py``).
+whenever its socket stays quiet for ``LIVENESS_POLL_MS`` (100 ms); a dead worker (killed,
+crashed, out of memory) raises ``WorkerDiedError`` in the engine core, which takes the
+core-death path (``EngineDeadError`` for every request in flight) instead of hanging. A worker
+that raises sends its traceback instead of an answer. The workers are stopped on shutdown, when
+the executor is garbage-collected or at exit (``owner_finalizer``), and each exits by itself if
+the process that spawned it dies. The sockets, the spawn, the liveness rule and the resources to
+release are ``minivllm.utils``' helpers, shared with the engine-core client
+(``engine/core_client_mp.py``).
 """
 
 from __future__ import annotations
