@@ -8,7 +8,9 @@ torch's threads. And a decoder layer's elementwise blocks are many small torch o
 RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding`` and
 ``silu_and_mul`` here are one call each, with the signatures of ``model/layers.py``'s functions
 (the model runner swaps them in on a CPU, as it swaps in Triton kernels on a GPU). vLLM's CPU
-backend likewise runs its attention and these ops in native code of its own.
+backend likewise runs its attention and these ops in native code of its own. ``pack_panels``
+and ``few_rows_linear`` are the linear layers of a decode step's few rows (``model/cpu_gemm.py``
+says when they serve).
 
 The C++ file registers them with torch's dispatcher (``TORCH_LIBRARY``) as
 ``torch.ops.minivllm_cpu.*``, and this module gives each a shape function for tracing
@@ -213,6 +215,9 @@ def _register_fakes() -> None:
     fake("silu_and_mul")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
     fake("rotary_embedding")(lambda positions, q, k, cos_sin_cache: (q.new_empty(q.shape),
                                                                      k.new_empty(k.shape)))
+    fake("pack_panels")(lambda w: w.new_empty(((w.shape[0] + 15) // 16, w.shape[1], 16)))
+    fake("few_rows_linear")(lambda x, panels, bias, out_features: x.new_empty(
+        (*x.shape[:-1], out_features)))
 
 
 def library():
@@ -284,6 +289,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         tables = tables.contiguous()
     fn(q, kv_cache, tables, lens, scale, out, sliding_window or 0, num_threads or 0)
     return True
+
+
+def few_rows_fit(x: torch.Tensor) -> bool:
+    """Whether ``few_rows_linear`` can take ``x`` (or ``pack_panels`` a weight): float32 rows on
+    a CPU with a contiguous last dim, no autograd (the library itself is ``library()``'s)."""
+    return _plain(x) and _rows(x)
 
 
 # -- elementwise ops: layers.py's signatures; the torch code where the kernels cannot serve ---

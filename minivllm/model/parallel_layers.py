@@ -93,6 +93,7 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_size = get_tensor_model_parallel_world_size()
         super().__init__(input_size, divide(output_size, self.tp_size, "output size"), bias=bias)
         self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
+        self.panel_weight = None  # and its panels for few rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x)
@@ -149,6 +150,7 @@ class RowParallelLinear(nn.Linear):
         self.tp_size = get_tensor_model_parallel_world_size()
         super().__init__(divide(input_size, self.tp_size, "input size"), output_size, bias=False)
         self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
+        self.panel_weight = None  # and its panels for few rows
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         n = param.shape[1]
@@ -196,6 +198,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.packed_weight = None  # a CPU's prepacked copy of the weight (``cpu_gemm``)
+        self.panel_weight = None  # and its panels for few rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(self, hidden)
