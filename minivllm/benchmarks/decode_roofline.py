@@ -8,9 +8,9 @@ once). This benchmark runs ``--batch`` requests decoding together, their context
 * the step's wall time;
 * the same step's matmuls alone (every linear layer and the lm_head at this batch, each run
   the way the engine runs it: ``cpu_gemm.linear``, through the packed weight's panels or
-  oneDNN's copy where the engine packed one, else ``F.linear``) and the GFLOP/s they reach: the machine's limit for
-  those shapes, measured in the same run. Their ratio is how close the
-  step comes to its matmuls (1.0: nothing else costs anything);
+  oneDNN's copy where the engine packed one, else ``F.linear``) and the GFLOP/s they reach:
+  the machine's limit for those shapes, measured in the same run. Their ratio is how close
+  the step comes to its matmuls (1.0: nothing else costs anything);
 * attention's time and share of the step, and its effective bandwidth: the bytes of K/V the
   step must read (each sequence's context, every layer, K and V) over attention's time,
   against this machine's measured read bandwidth (``torch.sum`` over a tensor much larger

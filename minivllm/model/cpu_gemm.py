@@ -152,7 +152,8 @@ def _main() -> None:  # python -m minivllm.model.cpu_gemm: each way, this machin
                 for i, w in enumerate(weights):
                     fn(inputs[w.shape[1]], i)
                 best[name] = min(best[name], time.perf_counter() - start)
-        print(f"{rows:>4} rows: " + "   ".join(f"{name} {t * 1e3:7.1f}" for name, t in best.items()))
+        print(f"{rows:>4} rows: "
+              + "   ".join(f"{name} {t * 1e3:7.1f}" for name, t in best.items()))
 
 
 if __name__ == "__main__":
