@@ -15,8 +15,8 @@
  * key rows (all KV heads of a token are one contiguous row), eight at a time, are read once and
  * dotted with every query head that uses them; a softmax per head; then the block's value rows
  * are read once and added into every head's output with its probabilities, all while the next
- * block is prefetched (and blocks further on into L2). Nothing is gathered or padded, so each layer reads each context token's
- * K and V once. The sequences are split between threads by their context lengths. */
+ * block is prefetched (and blocks further on into L2). Nothing is gathered or padded, so each
+ * layer reads each context token's K and V once. The sequences are split between threads by their context lengths. */
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -77,7 +77,8 @@ static inline void prefetch_part(const float *p, int64_t floats, int64_t part, i
  * alternated). */
 static inline void prefetch_block_l2(const float *p, int64_t floats) {
     const char *c = (const char *)p;
-    for (int64_t o = 0; o < floats * (int64_t)sizeof(float); o += 64) __builtin_prefetch(c + o, 0, 1);
+    for (int64_t o = 0; o < floats * (int64_t)sizeof(float); o += 64)
+        __builtin_prefetch(c + o, 0, 1);
 }
 
 #ifdef HAVE_DOT8
