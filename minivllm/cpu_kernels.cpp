@@ -16,7 +16,8 @@
  * dotted with every query head that uses them; a softmax per head; then the block's value rows
  * are read once and added into every head's output with its probabilities, all while the next
  * block is prefetched (and blocks further on into L2). Nothing is gathered or padded, so each
- * layer reads each context token's K and V once. The sequences are split between threads by their context lengths. */
+ * layer reads each context token's K and V once. The sequences are split between threads by
+ * their context lengths. */
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
