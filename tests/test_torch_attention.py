@@ -39,12 +39,17 @@ def test_decode_equals_dense_attention(heads_per_kv, window, kv_heads, monkeypat
 
 @pytest.mark.parametrize("heads_per_kv", [2, 3])
 @pytest.mark.parametrize("kv_heads", [1, 3])
-def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, monkeypatch):
+@pytest.mark.parametrize("query_block,window", [(None, None), (2, None), (2, 3)])
+def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads, query_block,
+                                                         window, monkeypatch):
     """One step as the runner hands it over: three decodes, then two prefill chunks (one after a
     cached prefix); the new tokens' K/V are written by the backend itself. Padding limits set
     so that the decodes split into groups; the C decode kernel is off (tests/test_cpu_kernels.py
-    runs this step through it)."""
+    runs this step through it). With ``query_block`` the chunks' queries are attended a block at
+    a time (``QUERY_BLOCK``, 128 in the engine), each against the keys its queries can see."""
     monkeypatch.setattr(torch_backend, "MAX_PADDING", 0.0)
+    if query_block:
+        monkeypatch.setattr(torch_backend, "QUERY_BLOCK", query_block)
     monkeypatch.setenv(cpu_kernels.ENV, "torch")
     gen = torch.Generator().manual_seed(7)
     query_lens, seq_lens = [1, 1, 1, 5, 3], [6, 13, 2, 5, 11]
@@ -54,12 +59,16 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
     backend = TorchAttentionBackend()
     planned = backend.build_metadata(meta, bs)
     assert len(planned.decode_groups()) >= 2  # the decodes alone, unpadded, make several
-    out = backend.forward(q, k, v, cache, planned, 0.25)
+    blocks = [b for g in planned.groups for b in g.query_blocks]
+    # a group each (no padding allowed): 5 queries at positions 0-4, 3 at positions 8-10
+    assert blocks == ([(0, 2, 2), (2, 4, 4), (4, 5, 5), (0, 2, 10), (2, 3, 11)]
+                      if query_block else [])
+    out = backend.forward(q, k, v, cache, planned, 0.25, sliding_window=window)
     for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
         keys, values = context(cache, table, i, n)
         lo = int(qsl[i])
-        torch.testing.assert_close(out[lo:lo + ql],
-                                   dense(q[lo:lo + ql], keys, values, positions[lo:lo + ql], 0.25))
+        torch.testing.assert_close(out[lo:lo + ql], dense(q[lo:lo + ql], keys, values,
+                                                          positions[lo:lo + ql], 0.25, window))
         # the backend wrote this step's keys/values where the slots say
         torch.testing.assert_close(keys[n - ql:], k[lo:lo + ql])
 
