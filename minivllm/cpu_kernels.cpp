@@ -321,7 +321,9 @@ int64_t row_stride(const at::Tensor &x, const char *op, const char *name) {
     check_float_rows(x, op, name);
     TORCH_CHECK_VALUE(x.dim() >= 1 && x.stride(-1) == 1 && (x.dim() <= 2 || x.is_contiguous()),
                       op, ": ", name, " must be rows with a contiguous last dim");
-    return x.dim() >= 2 ? x.stride(-2) : x.size(-1);
+    /* more dims: contiguous, so the rows are the last dim's size apart (stride(-2) is not that
+     * when dim -2 has size 1, which torch's contiguity ignores) */
+    return x.dim() == 2 ? x.stride(-2) : x.size(-1);
 }
 
 /* out[i] = weight * r / sqrt(mean(r^2) + eps), r = x[i] (+ residual[i], then also written to
@@ -505,9 +507,11 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int64_t k = 0; k < K; k++) {
         if (prefetch) __builtin_prefetch(panel + k * PANEL + PREFETCH_FLOATS, 0, 1);
         vec8 w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
+#ifdef __AVX__
         /* in registers: otherwise the compiler folds these loads into each of the R rows'
-         * multiply-adds, 2R loads where two do */
+         * multiply-adds, 2R loads where two do (an AVX register holds the 8 floats) */
         asm("" : "+x"(w0), "+x"(w1));
+#endif
         for (int r = 0; r < R; r++) {
             const vec8 xk = vec8{} + x[r * x_stride + k];
             lo[r] += xk * w0;

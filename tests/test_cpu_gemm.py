@@ -97,10 +97,12 @@ def test_few_rows_equal_f_linear(out_features, in_features, bias):
         got = torch.ops.minivllm_cpu.few_rows_linear(x, panels, layer.bias, out_features)
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5, msg=f"{rows} rows")
-    # leading dims, and rows a stride apart (a slice of wider rows)
+    # leading dims (one of them a size-1 dim whose stride torch's contiguity ignores), and rows
+    # a stride apart (a slice of wider rows)
     x3 = torch.randn(2, 3, in_features)
+    ones = torch.randn(1, 4, in_features).transpose(0, 1)  # [4, 1, in], contiguous
     wide = torch.randn(5, in_features + 7)[:, :in_features]
-    for x in (x3, wide):
+    for x in (x3, ones, wide):
         torch.testing.assert_close(cpu_gemm.linear(layer, x),
                                    F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 

@@ -73,6 +73,29 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
         torch.testing.assert_close(keys[n - ql:], k[lo:lo + ql])
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_query_blocks_of_a_padded_group_of_chunks_equal_dense(window, monkeypatch):
+    """Two prefill chunks in one group (padding allowed): the shorter one's padding queries
+    share the blocks with real ones, and each block's key limit is the group's largest."""
+    monkeypatch.setattr(torch_backend, "MAX_PADDING", 10.0)
+    monkeypatch.setattr(torch_backend, "QUERY_BLOCK", 2)
+    gen = torch.Generator().manual_seed(3)
+    query_lens, seq_lens = [5, 3], [5, 11]
+    cache, table, q, k, v, qsl, positions, meta = step_case(
+        gen, query_lens, seq_lens, 2, 6, 16, 4, num_decodes=0)
+    backend = TorchAttentionBackend()
+    planned = backend.build_metadata(meta, 4)
+    assert [g.num_seqs for g in planned.groups] == [2]
+    # positions 0-4 and 8-10 (then two padding queries at 0): keys seen up to 10, 11, 5
+    assert planned.groups[0].query_blocks == [(0, 2, 10), (2, 4, 11), (4, 5, 5)]
+    out = backend.forward(q, k, v, cache, planned, 0.25, sliding_window=window)
+    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
+        keys, values = context(cache, table, i, n)
+        lo = int(qsl[i])
+        torch.testing.assert_close(out[lo:lo + ql], dense(q[lo:lo + ql], keys, values,
+                                                          positions[lo:lo + ql], 0.25, window))
+
+
 def test_decode_after_an_inference_mode_step_still_carries_gradients(monkeypatch):
     """The engine attends under ``torch.inference_mode``; the course's standalone models attend
     with autograd on, in the same process: nothing the first call keeps may break the second."""

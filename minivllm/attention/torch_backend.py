@@ -299,7 +299,8 @@ def query_blocks(pos: np.ndarray) -> list[tuple[int, int, int]]:
 def attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float,
                  out: torch.Tensor, sliding_window: int | None = None,
                  workspace: GatherWorkspace | None = None) -> None:
-    """One group's attention: gather its blocks once, one masked SDPA call, scatter results.
+    """One group's attention: gather its blocks once, one masked SDPA call (for a prefill, one
+    per block of ``QUERY_BLOCK`` queries), scatter results.
     A sliding-window layer uses the same call with a narrower mask (still reading the whole
     context: simple, and exact). ``workspace``: where the gathered K/V go (else fresh memory)."""
     num_heads, head_dim = q.shape[1:]

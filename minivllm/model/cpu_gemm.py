@@ -20,14 +20,14 @@ packs a tiny model's every weight).
 
 A decode step's few rows (up to ``FEW_ROWS_MAX``) take a kernel of minivllm's own instead
 (``few_rows_linear`` in ``cpu_kernels.cpp``), over a third copy of each packed weight laid out
-as panels of 16 outputs, ``layer.panel_weight``: a decode step's matmuls only stream the
-weights from memory once, and that kernel keeps the stream going while it computes (it
-prefetches ahead), where oneDNN's waits on it. On the 2-core CPU above, the bundled model's
-linear layers at 8 rows took 18-21 ms through the panels and 30-32 ms through oneDNN, at 16
-rows 29-34 ms and 34-38 ms, at 1 row 19-20 ms and 30 ms; at 48 rows they are even, and at 512
-oneDNN is 17 % faster (``python -m minivllm.model.cpu_gemm`` prints both on any machine). The
-panels cost as much memory as the weights themselves again (the bundled model: 514 MiB more
-resident after ``LLM()``).
+as panels of 16 outputs, ``layer.panel_weight``: a decode step's matmuls only stream the weights
+from memory once, and that kernel keeps the stream going while it computes (it prefetches
+ahead), where oneDNN's waits on it. On the 2-core CPU above, one run of ``python -m
+minivllm.model.cpu_gemm`` (which prints each way on any machine), ms for the bundled model's 121
+weights through the panels and through oneDNN: 1 row 15.6 and 25.8, 8 rows 22.9 and 39.0, 16
+rows 31.8 and 39.5, 32 rows 85.7 and 92.6, 64 rows 106.1 and 129.8, 256 rows 441.4 and 393.2
+(other runs put the two even from about 48 rows). The panels cost as much memory as the weights
+themselves again (the bundled model: 514 MiB more resident after ``LLM()``).
 
 ``MINIVLLM_CPU_GEMM``: ``auto`` (the default: oneDNN, and the panels for few rows when
 minivllm's CPU kernels build), ``onednn`` (oneDNN only, no panels) or ``torch`` (plain
@@ -65,7 +65,7 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
     panels = getattr(layer, "panel_weight", None)
     if (panels is not None and x.numel() <= FEW_ROWS_MAX * x.shape[-1]
-            and cpu_kernels.few_rows_fit(x)):
+            and cpu_kernels.few_rows_fit(x) and (bias is None or cpu_kernels.few_rows_fit(bias))):
         return _few_rows_linear(x, panels, bias, layer.weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
