@@ -64,6 +64,12 @@ def test_backend_step_of_decodes_and_chunks_equals_dense(heads_per_kv, kv_heads,
     assert blocks == ([(0, 2, 2), (2, 4, 4), (4, 5, 5), (0, 2, 10), (2, 3, 11)]
                       if query_block else [])
     out = backend.forward(q, k, v, cache, planned, 0.25, sliding_window=window)
+    _each_sequence_equals_dense(out, q, k, cache, table, qsl, positions, query_lens, seq_lens,
+                                window)
+
+
+def _each_sequence_equals_dense(out, q, k, cache, table, qsl, positions, query_lens, seq_lens,
+                                window):
     for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
         keys, values = context(cache, table, i, n)
         lo = int(qsl[i])
@@ -89,11 +95,8 @@ def test_query_blocks_of_a_padded_group_of_chunks_equal_dense(window, monkeypatc
     # positions 0-4 and 8-10 (then two padding queries at 0): keys seen up to 10, 11, 5
     assert planned.groups[0].query_blocks == [(0, 2, 10), (2, 4, 11), (4, 5, 5)]
     out = backend.forward(q, k, v, cache, planned, 0.25, sliding_window=window)
-    for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
-        keys, values = context(cache, table, i, n)
-        lo = int(qsl[i])
-        torch.testing.assert_close(out[lo:lo + ql], dense(q[lo:lo + ql], keys, values,
-                                                          positions[lo:lo + ql], 0.25, window))
+    _each_sequence_equals_dense(out, q, k, cache, table, qsl, positions, query_lens, seq_lens,
+                                window)
 
 
 def test_decode_after_an_inference_mode_step_still_carries_gradients(monkeypatch):
