@@ -120,11 +120,17 @@ struct Job {
     int status;                   /* 0, or what went wrong (see DECODE_ERRORS) */
 };
 
+/* the first context token a sequence of `len` tokens attends to (the last `window` of them
+ * when window > 0) */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
 /* the key block at `index` among those sequence s reads (0: its first), or null (past its end,
  * or a bad id: the sequence's own turn reports that) */
 static inline const float *key_block(const Job *a, int64_t s, int64_t index) {
     const int64_t len = a->seq_lens[s], bs = a->block_size;
-    const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t start = window_start(len, a->window);
     const int64_t b = start / bs + index;
     if (len <= 0 || b * bs >= len || b >= a->bt_cols) return nullptr;
     const int32_t id = a->block_tables[s * a->bt_stride + b];
@@ -137,7 +143,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
         const Job *a, int64_t s, const int64_t D, float *scores) {
     const int64_t kv_heads = a->num_kv_heads, heads = a->num_heads, bs = a->block_size;
     const int64_t group = heads / kv_heads, row = kv_heads * D, len = a->seq_lens[s];
-    const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t start = window_start(len, a->window);
     const int64_t n = len - start, first_block = start / bs, end_block = (len + bs - 1) / bs;
     const int32_t *table = a->block_tables + s * a->bt_stride;
     const float *qs = a->q + s * a->q_stride;
@@ -275,7 +281,7 @@ void paged_decode(const at::Tensor &q, const at::Tensor &kv_cache, const at::Ten
     for (int64_t s = 0; s < n; s++) {
         int64_t len = lens[s];
         TORCH_CHECK_VALUE(len >= 1, "paged_decode: ", DECODE_ERRORS[1]);
-        if (window > 0 && len > window) len = window;
+        len -= window_start(len, window);
         total += len;
         max_len = len > max_len ? len : max_len;
     }
@@ -293,7 +299,7 @@ void paged_decode(const at::Tensor &q, const at::Tensor &kv_cache, const at::Ten
         const int64_t target = total * (i + 1) / parts;  /* about equal token counts */
         while (s < n && (done < target || i == parts - 1)) {
             const int64_t len = lens[s];
-            done += (window > 0 && len > window) ? window : len;
+            done += len - window_start(len, window);
             s++;
         }
         jobs[i].last = s;
@@ -460,9 +466,6 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
     TORCH_CHECK_INDEX(!bad, "rotary_embedding: a position outside [0, ", max_position, ")");
     return {q_out, k_out};
 }
-
-
-
 
 /* ---- linear layers for few rows: y = x @ w^T (+ bias), w packed in panels of 16 outputs ----
  *
