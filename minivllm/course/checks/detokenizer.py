@@ -1,19 +1,15 @@
-"""Checker for chapter 07's exercise 7.2: incremental detokenization with stop strings.
-
-The learner's detokenizer runs in the engine's ``OutputProcessor`` beside the engine's classic
-one (``SlowIncrementalDetokenizer``), both fed the same random streams of the bundled
-tokenizer's tokens (characters spanning tokens, stop strings spanning tokens, every output
-kind); every output must be the reference's. Then the real engine generates with it.
-"""
+"""Exercise 7.2: incremental detokenization with stop strings. The learner's detokenizer and the
+engine's ``SlowIncrementalDetokenizer`` run in an ``OutputProcessor`` on the same token streams
+(every output must be the same), then in the real engine."""
 
 from __future__ import annotations
 
 import functools
 import random
 
-from minivllm.engine.messages import EngineCoreOutput
-from minivllm.course.checks.common import Exercise, check_engine, fail, passed
+from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine
 from minivllm.engine import detokenizer as detok
+from minivllm.engine.messages import EngineCoreOutput
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutputKind
 from minivllm.sampling_params import SamplingParams
@@ -39,6 +35,18 @@ TEXTS = [
     "Привет, мир! Ελληνικά κείμενα. עִבְרִית. 한국어 문장입니다. The end.",
     "Numbers 1234567890, symbols <>&\"' and spaces   between    words. Ünïcödé ëvérywhêrë.",
 ]
+STORY = "Once upon a time there was a STOP sign and then nothing."
+DELTA, CUMULATIVE = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE
+TARGETED = [  # (name, text, params): each after a one-token prompt, one token per step
+    ("multi-byte characters split across tokens", " robots 🤖🚀 and 日本語",
+     dict(output_kind=DELTA)),
+    ("a stop string spanning tokens", STORY, dict(stop=["STOP sign"], output_kind=DELTA)),
+    ("a stop string kept in the output", STORY,
+     dict(stop=["STOP sign"], include_stop_str_in_output=True, output_kind=DELTA)),
+    ("held-back text (a stop string that never completes)", STORY,
+     dict(stop=["STOP light"], output_kind=CUMULATIVE)),
+]
+FIELDS = ("text", "finish_reason", "stop_reason", "finished", "requests to abort")
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,26 +57,28 @@ def _tokenizer():
     return load_tokenizer(bundled_model_path())
 
 
+def _random_ids(tokenizer, rng: random.Random, kind: int) -> list[int]:
+    """A slice of a text (kind 0), random ids (1), or a text with random ids spliced in (2)."""
+    if kind == 0:
+        ids = tokenizer.encode(rng.choice(TEXTS))
+        start = rng.randrange(0, max(1, len(ids) // 3))
+        return ids[start:start + rng.randint(8, 40)]
+    if kind == 1:
+        return [rng.randrange(len(tokenizer)) for _ in range(rng.randint(8, 30))]
+    ids = tokenizer.encode(rng.choice(TEXTS))[: rng.randint(8, 30)]
+    for _ in range(3):
+        ids.insert(rng.randrange(len(ids)), rng.randrange(len(tokenizer)))
+    return ids
+
+
 def _cases(tokenizer, seed: int):
-    """(name, prompt ids, output ids, params, tokens per step) for the random streams."""
+    """(name, prompt ids, output ids, params, tokens per step): the targeted, then random ones."""
+    cases = [(name, [1], tokenizer.encode(text), SamplingParams(**params), 1)
+             for name, text, params in TARGETED]
     rng = random.Random(seed)
-    vocab = len(tokenizer)
-    cases = []
     for i in range(48):
-        kind = i % 3
-        if kind == 0:
-            text = rng.choice(TEXTS)
-            ids = tokenizer.encode(text)
-            start = rng.randrange(0, max(1, len(ids) // 3))
-            ids = ids[start:start + rng.randint(8, 40)]
-        elif kind == 1:
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(8, 30))]
-        else:  # text with random ids spliced in
-            ids = tokenizer.encode(rng.choice(TEXTS))[: rng.randint(8, 30)]
-            for _ in range(3):
-                ids.insert(rng.randrange(len(ids)), rng.randrange(vocab))
-        decoded = tokenizer.decode(ids)
-        stops = []
+        ids = _random_ids(tokenizer, rng, i % 3)
+        decoded, stops = tokenizer.decode(ids), []
         if rng.random() < 0.7 and len(decoded) > 6:  # a stop string that occurs (often mid-token)
             a = rng.randrange(len(decoded) // 3, len(decoded) - 2)
             stops.append(decoded[a:a + rng.randint(2, 6)])
@@ -77,44 +87,25 @@ def _cases(tokenizer, seed: int):
         params = SamplingParams(
             max_tokens=len(ids), stop=stops or None,
             include_stop_str_in_output=rng.random() < 0.3,
-            skip_special_tokens=rng.random() < 0.8,
-            output_kind=rng.choice(list(RequestOutputKind)),
-        )
+            skip_special_tokens=rng.random() < 0.8, output_kind=rng.choice(list(RequestOutputKind)))
         prompt = tokenizer.encode(rng.choice(TEXTS))[: rng.randint(1, 12)]
         step = 1 if rng.random() < 0.8 else rng.randint(2, 3)
         cases.append((f"stream {i}", prompt, ids, params, step))
     return cases
 
 
-def _targeted(tokenizer):
-    emoji = tokenizer.encode(" robots 🤖🚀 and 日本語")
-    story = tokenizer.encode("Once upon a time there was a STOP sign and then nothing.")
-    return [
-        ("multi-byte characters split across tokens", [1], emoji,
-         SamplingParams(output_kind=RequestOutputKind.DELTA), 1),
-        ("a stop string spanning tokens", [1], story,
-         SamplingParams(stop=["STOP sign"], output_kind=RequestOutputKind.DELTA), 1),
-        ("a stop string kept in the output", [1], story,
-         SamplingParams(stop=["STOP sign"], include_stop_str_in_output=True,
-                        output_kind=RequestOutputKind.DELTA), 1),
-        ("held-back text (a stop string that never completes)", [1], story,
-         SamplingParams(stop=["STOP light"], output_kind=RequestOutputKind.CUMULATIVE), 1),
-    ]
-
-
 def _run(tokenizer, detokenizer_cls, case):
-    """Feed one stream through an OutputProcessor; the outputs as plain tuples, and aborts."""
+    """Feed one stream through an OutputProcessor: its outputs as plain tuples, and aborts."""
     name, prompt, ids, params, step = case
     processor = OutputProcessor(tokenizer, detokenizer_cls)
     processor.add_request("req", None, list(prompt), params, 0.0)
     trace = []
     for i in range(0, len(ids), step):
-        last = i + step >= len(ids)
-        out = EngineCoreOutput("req", ids[i:i + step], finish_reason="length" if last else None)
+        out = EngineCoreOutput("req", ids[i:i + step],
+                               finish_reason="length" if i + step >= len(ids) else None)
         outputs, to_abort = processor.process_outputs([out])
-        for o in outputs:
-            c = o.outputs[0]
-            trace.append((i, c.text, c.finish_reason, c.stop_reason, o.finished, tuple(to_abort)))
+        trace += [(i, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+                   o.finished, tuple(to_abort)) for o in outputs]
         if not outputs and to_abort:
             trace.append((i, None, None, None, None, tuple(to_abort)))
         if not processor.has_unfinished_requests():
@@ -122,80 +113,62 @@ def _run(tokenizer, detokenizer_cls, case):
     return trace
 
 
-def _describe(case) -> str:
-    name, prompt, ids, params, step = case
-    return (f"{name}: {len(ids)} tokens, {step} per step, stop={params.stop!r}, "
-            f"include_stop_str_in_output={params.include_stop_str_in_output}, "
-            f"skip_special_tokens={params.skip_special_tokens}, "
-            f"output_kind={params.output_kind.name}")
-
-
-def _compare(exercise, tokenizer, case, want, got) -> None:
-    for w, g in zip(want, got):
-        if w != g:
-            i = w[0]
-            what = f"after the tokens up to index {i} ({tokenizer.decode(case[2][:i + case[4]])!r})"
-            fields = ("text", "finish_reason", "stop_reason", "finished", "requests to abort")
-            diff = [f"{f}: expected {a!r}, got {b!r}" for f, a, b in zip(fields, w[1:], g[1:])
-                    if a != b]
-            fail(exercise, f"{_describe(case)}; {what}: " + "; ".join(diff) + ". " + CONVENTION)
-    if len(want) != len(got):
-        fail(exercise, f"{_describe(case)}: the reference gave {len(want)} outputs, yours "
-                       f"{len(got)} (the request finished at a different step?). " + CONVENTION)
-
-
 def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> None:
+    """``detokenizer_cls(tokenizer, prompt_token_ids, params)`` with ``update`` and
+    ``get_next_output_text``, as the engine's detokenizers."""
+    ex = Exercise(exercise, CONVENTION, DETOKENIZER_ANSWER,
+                  allowed="the tokenizer's decode and convert_ids_to_tokens")
     if not isinstance(detokenizer_cls, type):
-        fail(exercise, f"expected a class (detokenizer_cls(tokenizer, prompt_token_ids, params)), "
-                       f"got {detokenizer_cls!r}")
-    detokenizer_cls = Exercise(exercise, answer=DETOKENIZER_ANSWER,
-                               allowed="the tokenizer's decode and convert_ids_to_tokens").take(
-        detokenizer_cls, "detokenizer")
+        ex.fail(f"expected a class (detokenizer_cls(tokenizer, prompt_token_ids, params)), "
+                f"got {detokenizer_cls!r}.")
+    detokenizer_cls = ex.take(detokenizer_cls, "detokenizer")
     tokenizer = _tokenizer()
-    cases = _targeted(tokenizer) + _cases(tokenizer, seed)
-    reference = [_run(tokenizer, detok.SlowIncrementalDetokenizer, c) for c in cases]
-    for case, want in zip(cases, reference):
+    cases = _cases(tokenizer, seed)
+    for case in cases:
+        name, _, ids, params, step = case
+        where = (f"{name}: {len(ids)} tokens, {step} per step, stop={params.stop!r}, "
+                 f"include_stop_str_in_output={params.include_stop_str_in_output}, "
+                 f"skip_special_tokens={params.skip_special_tokens}, "
+                 f"output_kind={params.output_kind.name}")
+        want = _run(tokenizer, detok.SlowIncrementalDetokenizer, case)
         try:
             got = _run(tokenizer, detokenizer_cls, case)
-        except NotImplementedError:
-            raise
-        except AssertionError:
+        except (NotImplementedError, AssertionError):
             raise
         except Exception as e:
-            fail(exercise, f"{_describe(case)}: your detokenizer raised "
-                           f"{type(e).__name__}: {e}. " + CONVENTION)
-        _compare(exercise, tokenizer, case, want, got)
-    num_texts = _check_in_engine(check_engine(), detokenizer_cls, exercise)
-    passed(exercise, f"{detokenizer_cls.__name__} gave the engine's outputs on {len(cases)} streams "
-                     f"(characters split across tokens, stop strings spanning tokens, held-back "
-                     f"text, every output kind), and the engine generating with it returns the "
-                     f"reference's {num_texts} texts.")
+            ex.fail(f"{where}: your detokenizer raised {type(e).__name__}: {e}.")
+        for w, g in zip(want, got):
+            if w != g:
+                diff = [f"{f}: expected {a!r}, got {b!r}" for f, a, b in zip(FIELDS, w[1:], g[1:])
+                        if a != b]
+                ex.fail(f"{where}; after the tokens up to index {w[0]} "
+                        f"({tokenizer.decode(ids[:w[0] + step])!r}): " + "; ".join(diff) + ".")
+        if len(want) != len(got):
+            ex.fail(f"{where}: the reference gave {len(want)} outputs, yours {len(got)} (the "
+                    "request finished at a different step?).")
+    _check_in_engine(ex, check_engine(), detokenizer_cls)
+    ex.passed(f"{detokenizer_cls.__name__} gave the engine's outputs on {len(cases)} streams "
+              f"(characters split across tokens, stop strings spanning tokens, held-back "
+              f"text, every output kind), and the engine generating with it returns the "
+              f"reference's {len(ENGINE_PROMPTS)} texts.")
 
 
-def _check_in_engine(llm, detokenizer_cls, exercise: str) -> int:
-    from minivllm.course.checks.common import ENGINE_PROMPTS
-
+def _check_in_engine(ex, llm, detokenizer_cls) -> None:
     processor = llm.llm_engine.output_processor
+    params = [SamplingParams(temperature=0, max_tokens=12, **extra) for extra in (
+        dict(ignore_eos=True), dict(stop=[" and", "."]),
+        dict(stop=["\n"], include_stop_str_in_output=True), dict(stop=["cache"]))]
     runs = []
-    for cls in (None, detokenizer_cls):
-        processor.detokenizer_cls = cls or detok.SlowIncrementalDetokenizer
+    for cls in (detok.SlowIncrementalDetokenizer, detokenizer_cls):
+        processor.detokenizer_cls = cls
         try:
             llm.llm_engine.reset_prefix_cache()
-            outs = llm.generate(ENGINE_PROMPTS, [
-                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                SamplingParams(temperature=0, max_tokens=12, stop=[" and", "."]),
-                SamplingParams(temperature=0, max_tokens=12, stop=["\n"],
-                               include_stop_str_in_output=True),
-                SamplingParams(temperature=0, max_tokens=12, stop=["cache"]),
-            ], use_tqdm=False)
+            outs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
         finally:
-            from minivllm.engine.detokenizer import default_detokenizer_cls
-
-            processor.detokenizer_cls = default_detokenizer_cls(processor.tokenizer)
+            processor.detokenizer_cls = detok.default_detokenizer_cls(processor.tokenizer)
         runs.append([(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
                      for o in outs])
     for prompt, want, got in zip(ENGINE_PROMPTS, *runs):
         if want != got:
-            fail(exercise, f"in the engine, the continuation of {prompt!r}: expected (text, "
-                           f"finish_reason, stop_reason) {want!r}, got {got!r}. " + CONVENTION)
-    return len(ENGINE_PROMPTS)
+            ex.fail(f"in the engine, the continuation of {prompt!r}: expected (text, "
+                    f"finish_reason, stop_reason) {want!r}, got {got!r}.")

@@ -1,23 +1,18 @@
-"""Checkers for chapter 07 (the engine core in its own process): the busy loop, 7.1.
-
-``check_busy_loop(proc_cls)``: the learner's loop (``input_queue``, ``run_busy_loop()``) runs
-on a thread over a fake core that logs every call: idle, it blocks on the queue; messages
-waiting when a step ends are handled before the next; utility calls are answered between steps
-(errors as errors); outputs reach ``output_put`` with the stats; SHUTDOWN ends the loop; a
-step's exception is reported as ``engine_error``, then raised. Then it drives the real engine
-core on the check model: the same greedy tokens as ``LLM``.
-"""
+"""Exercise 7.1: the engine core's busy loop, run on a thread over a fake core that logs every
+call (blocking when idle, draining messages between steps, utility calls, errors, SHUTDOWN),
+then over the real engine core: the same greedy tokens as ``LLM``."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from types import SimpleNamespace
 
-from minivllm.engine.messages import EngineCoreOutput
-from minivllm.course.checks.common import Exercise, check_engine, fail, passed
-from minivllm.engine import core_proc
-from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
+from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine, greedy_token_ids
+from minivllm.engine.messages import (
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType, UtilityOutput,
+)
 
 ADD, ABORT, UTILITY, SHUTDOWN = (EngineCoreRequestType.ADD, EngineCoreRequestType.ABORT,
                                  EngineCoreRequestType.UTILITY, EngineCoreRequestType.SHUTDOWN)
@@ -31,24 +26,48 @@ CONVENTION = ("Expected: run_busy_loop() repeats until SHUTDOWN: if the core has
               "outputs or a message was handled, output_put(EngineCoreOutputs(outputs=outputs, "
               "scheduler_stats=engine_core.get_stats(), timestamp=time.time())).")
 
+ANSWERED_WITH_ERROR = ("expected UtilityOutput with error set (a message), so the caller raises "
+                       "and the loop lives on.")
+UTILITY_CALLS = [  # (call id, method, args, is its answer right?, what else was expected)
+    (7, "get_stats", [], lambda a: isinstance(a, UtilityOutput) and isinstance(a.result, dict)
+     and a.error is None and set(a.result) == {"num_running", "num_steps"},
+     "get_stats() answered {}: expected UtilityOutput(7, result=engine_core.get_stats())."),
+    (8, "echo", [1, "x"], lambda a: a.result == [1, "x"] and a.error is None,
+     "echo(1, 'x') answered {}: the args list is spread over the call, "
+     "getattr(engine_core, method)(*args)."),
+    (9, "no_such_method", [], lambda a: a.error and a.result is None,
+     "an unknown method answered {}: " + ANSWERED_WITH_ERROR),
+    (10, "explode", [], lambda a: a.error and a.result is None,
+     "a method that raises answered {}: " + ANSWERED_WITH_ERROR),
+]
 
-class FakeRequest:
-    def __init__(self, request_id: str, num_tokens: int) -> None:
-        self.request_id, self.num_tokens = request_id, num_tokens
+
+def _request(request_id: str, num_tokens: int):
+    return SimpleNamespace(request_id=request_id, num_tokens=num_tokens)
 
 
 class FakeCore:
-    """Logs every call; each step gives every running request one token (``request_id:k``)."""
+    """Logs every call and every output handed out (``put``, the loop's ``output_put``) in one
+    timeline; each step gives every running request its next token."""
 
-    def __init__(self, step_time: float = 0.002) -> None:
+    def __init__(self, fail_at_step: int | None = None) -> None:
         self.log: list[tuple] = []
+        self.items: list[EngineCoreOutputs] = []
         self.running: dict[str, list[int]] = {}  # id -> [tokens so far, tokens wanted]
-        self.step_time = step_time
         self.during_step: dict[int, callable] = {}  # step number -> called inside that step
-        self.fail_at_step: int | None = None
-        self.num_steps = 0
-        self.idle_polls = 0
-        self.lock = threading.Lock()
+        self.fail_at_step = fail_at_step
+        self.num_steps = self.idle_polls = 0
+
+    def put(self, outputs) -> None:
+        self.items.append(outputs)
+        self.log.append(("put", outputs))
+
+    def tokens(self) -> dict[str, list]:
+        got: dict[str, list] = {}
+        for item in self.items:
+            for out in item.outputs or []:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return got
 
     def add_request(self, request) -> None:
         self.log.append(("add", request.request_id))
@@ -70,18 +89,18 @@ class FakeCore:
             self.log.append(("empty step",))
             return []
         self.num_steps += 1
-        n = self.num_steps
-        self.log.append(("step", n, tuple(sorted(self.running))))
-        if self.fail_at_step == n:
+        self.log.append(("step", self.num_steps, tuple(sorted(self.running))))
+        if self.fail_at_step == self.num_steps:
             raise RuntimeError("the fake core's step failed (on purpose)")
-        if n in self.during_step:
-            self.during_step.pop(n)()
-        time.sleep(self.step_time)
+        if self.num_steps in self.during_step:
+            self.during_step.pop(self.num_steps)()
+        time.sleep(0.002)
         outputs = []
         for rid, state in list(self.running.items()):
             state[0] += 1
             done = state[0] >= state[1]
-            outputs.append(EngineCoreOutput(rid, [state[0]], finish_reason="length" if done else None))
+            outputs.append(EngineCoreOutput(rid, [state[0]],
+                                            finish_reason="length" if done else None))
             if done:
                 del self.running[rid]
         return outputs
@@ -96,218 +115,145 @@ class FakeCore:
         raise ValueError("boom")
 
 
-class Recorder:
-    """``output_put``: logs what the loop hands out, into the core's log (one timeline)."""
+class _Loop:
+    """The learner's loop running on a thread over ``core``; ``expect`` stops it, then fails."""
 
-    def __init__(self, core: FakeCore) -> None:
-        self.core = core
-        self.items: list[EngineCoreOutputs] = []
-        self.event = threading.Event()
+    def __init__(self, ex: Exercise, proc_cls, core: FakeCore, waiting=()) -> None:
+        self.ex, self.core, self.errors = ex, core, []
+        self.proc = proc_cls(core, core.put)
+        if not isinstance(getattr(self.proc, "input_queue", None), queue.Queue):
+            ex.fail("the loop needs self.input_queue, a queue.Queue the IO thread fills.")
+        self.put(*waiting)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="learner-busy-loop")
+        self.thread.start()
 
-    def __call__(self, outputs) -> None:
-        self.items.append(outputs)
-        self.core.log.append(("put", outputs))
-        self.event.set()
-
-
-def _start(proc_cls, core: FakeCore, exercise: str, prefill: list | None = None):
-    recorder = Recorder(core)
-    proc = proc_cls(core, recorder)
-    if not isinstance(getattr(proc, "input_queue", None), queue.Queue):
-        fail(exercise, "the loop needs self.input_queue, a queue.Queue the IO thread fills. "
-                       + CONVENTION)
-    for item in prefill or []:
-        proc.input_queue.put(item)
-    errors: list[BaseException] = []
-
-    def run():
+    def _run(self) -> None:
         try:
-            proc.run_busy_loop()
-        except BaseException as e:  # noqa: BLE001 - reported to the checker
-            errors.append(e)
+            self.proc.run_busy_loop()
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.errors.append(e)
 
-    thread = threading.Thread(target=run, daemon=True, name="learner-busy-loop")
-    thread.start()
-    return proc, recorder, thread, errors
+    def put(self, *messages) -> None:
+        for message in messages:
+            self.proc.input_queue.put(message)
 
+    def wait(self, predicate, timeout: float = 5.0) -> bool:
+        """Until ``predicate()``, the loop's thread ends (it raised) or the timeout."""
+        end = time.time() + timeout
+        while time.time() < end and self.thread.is_alive() and not predicate():
+            time.sleep(0.005)
+        return predicate()
 
-def _wait(predicate, thread: threading.Thread, timeout: float = 5.0) -> bool:
-    """Wait until ``predicate()``, or the loop's thread ended (it raised), or the timeout."""
-    end = time.time() + timeout
-    while time.time() < end and thread.is_alive():
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
+    def expect(self, ok, message: str) -> None:
+        if not ok:
+            self.stop()
+            self.ex.fail(message)
 
-
-def _stop(proc, thread, exercise: str, errors: list) -> None:
-    proc.input_queue.put((SHUTDOWN, None))
-    thread.join(timeout=5)
-    if thread.is_alive():
-        fail(exercise, "the loop did not return within 5 s of a SHUTDOWN message. " + CONVENTION)
-    if errors and not isinstance(errors[0], Exception):
-        raise errors[0]
-    if errors:
-        if isinstance(errors[0], (AssertionError, NotImplementedError)):
-            raise errors[0]  # a CheckFailed from inside the loop, or an unsolved exercise
-        fail(exercise, f"the loop raised {type(errors[0]).__name__}: {errors[0]}. " + CONVENTION)
-
-
-def _tokens_out(recorder: Recorder) -> dict[str, list]:
-    got: dict[str, list] = {}
-    for item in recorder.items:
-        for out in item.outputs or []:
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return got
+    def stop(self) -> None:
+        self.put((SHUTDOWN, None))
+        self.thread.join(timeout=5)
+        if self.thread.is_alive():
+            self.ex.fail("the loop did not return within 5 s of a SHUTDOWN message.")
+        if self.errors:
+            error = self.errors[0]
+            if not isinstance(error, Exception) or isinstance(error, (AssertionError,
+                                                                      NotImplementedError)):
+                raise error  # a CheckFailed from inside the loop, or an unsolved exercise
+            self.ex.fail(f"the loop raised {type(error).__name__}: {error}.")
 
 
 def check_busy_loop(proc_cls, exercise: str = "7.1") -> None:
     """``proc_cls(engine_core, output_put)``: has ``input_queue`` and ``run_busy_loop()``."""
+    ex = Exercise(exercise, CONVENTION, ("minivllm.engine.core_proc:EngineCoreProc",),
+                  allowed="queue, self.engine_core's methods and self.output_put")
     if not isinstance(proc_cls, type):
-        fail(exercise, f"expected a class (proc_cls(engine_core, output_put)), got {proc_cls!r}")
-    proc_cls = Exercise(exercise, answer=("minivllm.engine.core_proc:EngineCoreProc",),
-                        allowed="queue, self.engine_core's methods and self.output_put").take(
-        proc_cls, "engine core loop")
-    _check_fake_core(proc_cls, exercise)
-    num_tokens = _check_real_core(proc_cls, exercise)
-    passed(exercise, f"{proc_cls.__name__} blocks when idle, drains every waiting message before "
-                     f"each step, lands aborts before the next step, answers utility calls "
-                     f"between steps, reports a failing step, stops on SHUTDOWN, and drives the "
-                     f"real engine core to the reference's {num_tokens} greedy tokens.")
+        ex.fail(f"expected a class (proc_cls(engine_core, output_put)), got {proc_cls!r}.")
+    proc_cls = ex.take(proc_cls, "engine core loop")
+    _check_fake_core(ex, proc_cls)
+    num_tokens = _check_real_core(ex, proc_cls)
+    ex.passed(f"{proc_cls.__name__} blocks when idle, drains every waiting message before "
+              f"each step, lands aborts before the next step, answers utility calls "
+              f"between steps, reports a failing step, stops on SHUTDOWN, and drives the "
+              f"real engine core to the reference's {num_tokens} greedy tokens.")
 
 
-def _check_fake_core(proc_cls, exercise: str) -> None:
-    # 1. messages waiting before the loop starts all land before the first step
-    core = FakeCore()
-    prefill = [(ADD, FakeRequest(f"r{i}", 4)) for i in range(5)]
-    proc, rec, thread, errors = _start(proc_cls, core, exercise, prefill)
-    if not _wait(lambda: not core.running and core.num_steps >= 4, thread):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"5 requests of 4 tokens each were queued; after 5 s the fake core had run "
-                       f"{core.num_steps} steps. " + CONVENTION)
-    steps = [e for e in core.log if e[0] == "step"]
-    if steps[0][2] != tuple(f"r{i}" for i in range(5)):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"5 ADD messages were waiting before the loop started, but the first step "
-                       f"ran with {list(steps[0][2])}: drain the whole input queue (get_nowait "
-                       f"until queue.Empty) before each step, not one message per step. "
-                       + CONVENTION)
-    got = _tokens_out(rec)
-    if got != {f"r{i}": [1, 2, 3, 4] for i in range(5)}:
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"the outputs handed to output_put carry these tokens: {got}; expected "
-                       f"every step's outputs, in order ([1, 2, 3, 4] per request). " + CONVENTION)
-    if any(item.outputs and item.scheduler_stats is None for item in rec.items):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, "outputs were handed out without scheduler_stats: the front end's /metrics "
-                       "reads them from every batch. " + CONVENTION)
-
-    # 2. idle: no polling
-    time.sleep(0.05)
+def _check_fake_core(ex: Exercise, proc_cls) -> None:
+    core = FakeCore()  # 1. messages waiting before the loop starts all land before the first step
+    loop = _Loop(ex, proc_cls, core, [(ADD, _request(f"r{i}", 4)) for i in range(5)])
+    loop.expect(loop.wait(lambda: not core.running and core.num_steps >= 4),
+                f"5 requests of 4 tokens each were queued; after 5 s the fake core had run "
+                f"{core.num_steps} steps.")
+    first = next(e for e in core.log if e[0] == "step")
+    loop.expect(first[2] == tuple(f"r{i}" for i in range(5)),
+                f"5 ADD messages were waiting before the loop started, but the first step ran "
+                f"with {list(first[2])}: drain the whole input queue (get_nowait until "
+                f"queue.Empty) before each step, not one message per step.")
+    loop.expect(core.tokens() == {f"r{i}": [1, 2, 3, 4] for i in range(5)},
+                f"the outputs handed to output_put carry these tokens: {core.tokens()}; expected "
+                f"every step's outputs, in order ([1, 2, 3, 4] per request).")
+    loop.expect(not any(item.outputs and item.scheduler_stats is None for item in core.items),
+                "outputs were handed out without scheduler_stats: the front end's /metrics "
+                "reads them from every batch.")
+    time.sleep(0.05)  # 2. idle: no polling
     polls = core.idle_polls
     time.sleep(0.3)
-    if core.idle_polls - polls > 3:
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"with no request left, the loop asked the fake core "
-                       f"{core.idle_polls - polls} times in 0.3 s whether it had work (or stepped "
-                       f"it): a busy-wait burns a core the front end needs. Block on "
-                       f"input_queue.get() while the core has no unfinished request. " + CONVENTION)
-
-    # 3. wakes up for a new request
-    start = time.time()
-    proc.input_queue.put((ADD, FakeRequest("late", 2)))
-    if not _wait(lambda: _tokens_out(rec).get("late") == [1, 2], thread, timeout=2):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, "after a quiet spell, a new ADD was not served within 2 s: the loop must "
-                       "wake up when a message arrives. " + CONVENTION)
-    wake = time.time() - start
-
+    loop.expect(core.idle_polls - polls <= 3,
+                f"with no request left, the loop asked the fake core {core.idle_polls - polls} "
+                f"times in 0.3 s whether it had work (or stepped it): a busy-wait burns a core "
+                f"the front end needs. Block on input_queue.get() while the core has no "
+                f"unfinished request.")
+    loop.put((ADD, _request("late", 2)))  # 3. wakes up for a new request
+    loop.expect(loop.wait(lambda: core.tokens().get("late") == [1, 2], timeout=2),
+                "after a quiet spell, a new ADD was not served within 2 s: the loop must wake up "
+                "when a message arrives.")
     # 4. messages arriving during a step land before the next one; utility calls between steps
-    base = core.num_steps
-    mark = len(core.log)
-
-    def arrivals():
-        proc.input_queue.put((ADD, FakeRequest("b", 5)))
-        proc.input_queue.put((ABORT, ["a"]))
-        proc.input_queue.put((UTILITY, (7, "get_stats", [])))
-        proc.input_queue.put((UTILITY, (8, "echo", [1, "x"])))
-        proc.input_queue.put((UTILITY, (9, "no_such_method", [])))
-        proc.input_queue.put((UTILITY, (10, "explode", [])))
-
-    core.during_step[base + 2] = arrivals
-    proc.input_queue.put((ADD, FakeRequest("a", 50)))
-    if not _wait(lambda: "b" not in core.running and core.num_steps >= base + 4, thread):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, "messages sent while a step ran were never handled. " + CONVENTION)
+    base, mark = core.num_steps, len(core.log)
+    core.during_step[base + 2] = lambda: loop.put(
+        (ADD, _request("b", 5)), (ABORT, ["a"]),
+        *((UTILITY, (call_id, method, args)) for call_id, method, args, _, _ in UTILITY_CALLS))
+    loop.put((ADD, _request("a", 50)))
+    loop.expect(loop.wait(lambda: "b" not in core.running and core.num_steps >= base + 4),
+                "messages sent while a step ran were never handled.")
     log = core.log[mark:]
-    idx_step2 = next(i for i, e in enumerate(log) if e[0] == "step" and e[1] == base + 2)
-    idx_step3 = next(i for i, e in enumerate(log) if e[0] == "step" and e[1] == base + 3)
-    between = log[idx_step2 + 1:idx_step3]
-    if ("abort", ("a",)) not in between or ("add", "b") not in between:
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"an ADD and an ABORT arrived during step {base + 2}; the next step ran "
-                       f"with {list(log[idx_step3][2])} (expected ['b']: 'a' aborted, 'b' added). "
-                       f"Everything waiting is handled before the next step. " + CONVENTION)
+    step2, step3 = (next(i for i, e in enumerate(log) if e[0] == "step" and e[1] == base + n)
+                    for n in (2, 3))
+    between = log[step2 + 1:step3]
+    loop.expect(("abort", ("a",)) in between and ("add", "b") in between,
+                f"an ADD and an ABORT arrived during step {base + 2}; the next step ran with "
+                f"{list(log[step3][2])} (expected ['b']: 'a' aborted, 'b' added). Everything "
+                f"waiting is handled before the next step.")
     answers = {e[1].utility_output.call_id: e[1].utility_output for e in between
                if e[0] == "put" and e[1].utility_output is not None}
-    if set(answers) != {7, 8, 9, 10}:
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"four utility calls arrived during a step; between it and the next step "
-                       f"the loop answered call ids {sorted(answers)} (expected [7, 8, 9, 10]), "
-                       f"each as its own EngineCoreOutputs(utility_output=UtilityOutput(...)). "
-                       + CONVENTION)
-    want = {7: core.get_stats().keys(), 8: [1, "x"]}
-    if not isinstance(answers[7], UtilityOutput) or not isinstance(answers[7].result, dict) or \
-            answers[7].error is not None or set(answers[7].result) != set(want[7]):
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"get_stats() answered {answers[7]!r}: expected UtilityOutput(7, "
-                       f"result=engine_core.get_stats()). " + CONVENTION)
-    if answers[8].result != [1, "x"] or answers[8].error is not None:
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, f"echo(1, 'x') answered {answers[8]!r}: the args list is spread over the "
-                       f"call, getattr(engine_core, method)(*args). " + CONVENTION)
-    for call_id, what in ((9, "an unknown method"), (10, "a method that raises")):
-        if not answers[call_id].error or answers[call_id].result is not None:
-            _stop(proc, thread, exercise, errors)
-            fail(exercise, f"{what} answered {answers[call_id]!r}: expected UtilityOutput with "
-                           f"error set (a message), so the caller raises and the loop lives on. "
-                           + CONVENTION)
-    _stop(proc, thread, exercise, errors)
-    if thread.is_alive():
-        fail(exercise, "the loop is still running after SHUTDOWN. " + CONVENTION)
-
-    # 5. a failing step is reported, then raised
-    core = FakeCore()
-    core.fail_at_step = 2
-    proc, rec, thread, errors = _start(proc_cls, core, exercise, [(ADD, FakeRequest("x", 5))])
-    thread.join(timeout=5)
-    if thread.is_alive():
-        _stop(proc, thread, exercise, errors)
-        fail(exercise, "the fake core's step raised, and the loop kept running: a fatal error ends "
-                       "the loop (raise it) after telling the front end. " + CONVENTION)
-    if not any(item.engine_error for item in rec.items):
-        fail(exercise, "the fake core's step raised, and no EngineCoreOutputs(engine_error=...) "
-                       "reached output_put: the front end would wait forever. Catch, put "
-                       "EngineCoreOutputs(engine_error=traceback.format_exc()), re-raise. "
-                       + CONVENTION)
-    if not errors:
-        fail(exercise, "the fake core's step raised, and run_busy_loop returned normally: "
-                       "re-raise after reporting, so the process exits with an error. " + CONVENTION)
-    del wake
+    loop.expect(set(answers) == {7, 8, 9, 10},
+                f"four utility calls arrived during a step; between it and the next step the "
+                f"loop answered call ids {sorted(answers)} (expected [7, 8, 9, 10]), each as its "
+                f"own EngineCoreOutputs(utility_output=UtilityOutput(...)).")
+    for call_id, _, _, right, message in UTILITY_CALLS:
+        loop.expect(right(answers[call_id]), message.format(repr(answers[call_id])))
+    loop.stop()
+    loop = _Loop(ex, proc_cls, FakeCore(fail_at_step=2), [(ADD, _request("x", 5))])  # 5. errors
+    loop.thread.join(timeout=5)
+    loop.expect(not loop.thread.is_alive(),
+                "the fake core's step raised, and the loop kept running: a fatal error ends the "
+                "loop (raise it) after telling the front end.")
+    if not any(item.engine_error for item in loop.core.items):
+        ex.fail("the fake core's step raised, and no EngineCoreOutputs(engine_error=...) reached "
+                "output_put: the front end would wait forever. Catch, put "
+                "EngineCoreOutputs(engine_error=traceback.format_exc()), re-raise.")
+    if not loop.errors:
+        ex.fail("the fake core's step raised, and run_busy_loop returned normally: re-raise "
+                "after reporting, so the process exits with an error.")
 
 
-def _check_real_core(proc_cls, exercise: str) -> int:
+def _check_real_core(ex: Exercise, proc_cls) -> int:
     from minivllm import SamplingParams
-    from minivllm.course.checks.common import ENGINE_PROMPTS, greedy_token_ids
 
     llm = check_engine()
     expected = greedy_token_ids(llm, ENGINE_PROMPTS, max_tokens=8)
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core
     got: dict[str, list[int]] = {}
-    done = threading.Event()
     finished: set[str] = set()
+    done = threading.Event()
 
     def put(outputs: EngineCoreOutputs) -> None:
         for out in outputs.outputs or []:
@@ -317,11 +263,10 @@ def _check_real_core(proc_cls, exercise: str) -> int:
         if outputs.engine_error or len(finished) == len(ENGINE_PROMPTS):
             done.set()
 
-    proc = proc_cls(core, put)
+    proc = proc_cls(engine.engine_core.engine_core, put)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(ENGINE_PROMPTS):
-        request, _ = engine.processor.process(f"loop-{i}", prompt, params)
-        proc.input_queue.put((ADD, request))
+        proc.input_queue.put((ADD, engine.processor.process(f"loop-{i}", prompt, params)[0]))
     thread = threading.Thread(target=proc.run_busy_loop, daemon=True)
     engine.reset_prefix_cache()
     thread.start()
@@ -330,10 +275,9 @@ def _check_real_core(proc_cls, exercise: str) -> int:
     thread.join(timeout=10)
     engine.reset_prefix_cache()
     if not ok:
-        fail(exercise, "on the real engine core, 4 requests of 8 tokens did not finish within "
-                       "120 s. " + CONVENTION)
+        ex.fail("on the real engine core, 4 requests of 8 tokens did not finish within 120 s.")
     for i, want in enumerate(expected):
         if got.get(f"loop-{i}") != list(want):
-            fail(exercise, f"on the real engine core, request {i} got tokens "
-                           f"{got.get(f'loop-{i}')}, expected {list(want)}. " + CONVENTION)
+            ex.fail(f"on the real engine core, request {i} got tokens {got.get(f'loop-{i}')}, "
+                    f"expected {list(want)}.")
     return sum(len(e) for e in expected)
