@@ -1,14 +1,6 @@
-"""Exercise 11.1: tune the scheduler for goodput under P99 targets, graded on the simulator.
-
-``tune(evaluate, targets) -> config`` searches ``max_num_batched_tokens``,
-``long_prefill_token_threshold`` and ``max_num_seqs``, calling ``evaluate(config)`` (goodput on
-the simulated engine, ``capstone.evaluate_goodput``) at most ``MAX_EVALUATIONS`` times. The
-targets are drawn when grading (``DRAWS``), so no table of answers passes; a choice passes when
-its goodput reaches the grader's own sweep's. A choice that falls short is told which target it
-misses at the next rate up, never which choice does better.
-
-Exercise 11.2 (``check_own_engine``): an engine assembled from the learner's own components.
-"""
+"""Chapter 11's graders: 11.1, a tuner for goodput under P99 targets drawn when grading, on the
+simulated engine (a shortfall names the target missed, never a better choice); 11.2, an engine
+of the learner's own sampler, scheduler and block pool against the package's engine."""
 
 from __future__ import annotations
 
@@ -17,18 +9,36 @@ import functools
 import random
 
 from minivllm.course.capstone import (
-    GOODPUT_RATES, KNOBS, TARGET_KEYS, chat_and_documents, config_problem, evaluate_goodput,
+    KNOBS, TARGET_KEYS, chat_and_documents, config_problem, evaluate_goodput,
 )
-from minivllm.course.checks.common import Exercise, fail, passed
+from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine, check_model_path
 
 MAX_EVALUATIONS = 20
-
 TTFT_TARGETS_MS = (300.0, 400.0, 500.0, 600.0, 800.0)
 MIDDLE_TTFT_MS = (400.0, 500.0, 600.0)  # where a tight and a loose ITL want different choices
 TIGHT_ITL_MS, LOOSE_ITL_MS = (20.0, 25.0), (40.0, 50.0)
 DRAWS = 3
 SWEEP_BUDGETS = (256, 384, 512, 768, 1024, 1536)
 SWEEP_SEQS = (16, 32, 256)
+
+CONVENTION = (
+    "Expected: tune(evaluate, targets) returns a dict with exactly the keys "
+    "max_num_batched_tokens (int >= 16), long_prefill_token_threshold (int >= 0; 0: no limit) and "
+    "max_num_seqs (int >= 1), after at most "
+    f"{MAX_EVALUATIONS} calls to evaluate(config), which returns {{'goodput': requests/s, 'runs': "
+    "{rate: {'p99_ttft_ms', 'p99_itl_ms', ...}}, 'limit': the run at the lowest rate that missed a "
+    "target, with its 'misses' (ms over each target), or None}.")
+NAMES = {"p99_ttft_ms": "P99 TTFT", "p99_itl_ms": "P99 ITL"}
+HINTS = {
+    "p99_itl_ms": "every decode in a step waits for the whole step: a step that also carries "
+                  "prefill chunks is as long as its tokens make it (max_num_batched_tokens, "
+                  "long_prefill_token_threshold)",
+    "p99_ttft_ms": "a request waits for a free seat (max_num_seqs) and then for its prompt's "
+                   "chunks (max_num_batched_tokens, long_prefill_token_threshold); past the "
+                   "engine's capacity the queue grows",
+}
+ANSWER = ("minivllm.course.checks.capstone:_reference_choice",
+          "minivllm.course.checks.capstone:draw_targets")
 
 
 def draw_targets(seed: int | None = None) -> list[dict]:
@@ -53,42 +63,8 @@ def _reference_choice(goodput_of) -> dict:
     return _config(*max(tried, key=tried.get))
 
 
-CONVENTION = (
-    "Expected: tune(evaluate, targets) returns a dict with exactly the keys "
-    "max_num_batched_tokens (int >= 16), long_prefill_token_threshold (int >= 0; 0: no limit) and "
-    "max_num_seqs (int >= 1), after at most "
-    f"{MAX_EVALUATIONS} calls to evaluate(config), which returns {{'goodput': requests/s, 'runs': "
-    "{rate: {'p99_ttft_ms', 'p99_itl_ms', ...}}, 'limit': the run at the lowest rate that missed a "
-    "target, with its 'misses' (ms over each target), or None}.")
-
-NAMES = {"p99_ttft_ms": "P99 TTFT", "p99_itl_ms": "P99 ITL"}
-HINTS = {
-    "p99_itl_ms": "every decode in a step waits for the whole step: a step that also carries "
-                  "prefill chunks is as long as its tokens make it (max_num_batched_tokens, "
-                  "long_prefill_token_threshold)",
-    "p99_ttft_ms": "a request waits for a free seat (max_num_seqs) and then for its prompt's "
-                   "chunks (max_num_batched_tokens, long_prefill_token_threshold); past the "
-                   "engine's capacity the queue grows",
-}
-
-
-def _describe_misses(run: dict, targets: dict) -> str:
-    parts = [f"{NAMES[k]} {run[k]:.1f} ms > {targets[k]:g} ms (by {run['misses'][k]:.1f} ms)"
-             for k in TARGET_KEYS if k in run["misses"]]
-    return " and ".join(parts)
-
-
-def _show(config: dict) -> str:
-    return ", ".join(f"{k}={int(config[k])}" for k in KNOBS)
-
-
-ANSWER = ("minivllm.course.checks.capstone:_reference_choice",
-          "minivllm.course.checks.capstone:draw_targets")
-
-
 def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -> None:
-    """``tune(evaluate, targets) -> {max_num_batched_tokens, long_prefill_token_threshold,
-    max_num_seqs}``, graded on the simulated engine for target sets drawn now (``seed``: the
+    """``tune(evaluate, targets) -> config``, graded for target sets drawn now (``seed``: the
     same draw again)."""
     ex = Exercise(exercise, CONVENTION, ANSWER, allowed="the evaluate it is given")
     tune = ex.take(tune, "tune")
@@ -107,51 +83,50 @@ def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -
         def evaluate(config):
             problem = config_problem(config)
             if problem:
-                fail(exercise, f"tune called evaluate with an invalid config ({problem}). "
-                               f"{CONVENTION}")
+                ex.fail(f"tune called evaluate with an invalid config ({problem}).")
             calls[0] += 1
             if calls[0] > MAX_EVALUATIONS:
-                fail(exercise, f"tune called evaluate more than {MAX_EVALUATIONS} times for "
-                               f"targets {targets}: search the knobs with fewer evaluations (each "
-                               "is a set of simulated serving runs). " + CONVENTION)
+                ex.fail(f"tune called evaluate more than {MAX_EVALUATIONS} times for targets "
+                        f"{targets}: search the knobs with fewer evaluations (each is a set of "
+                        "simulated serving runs).")
             return copy.deepcopy(goodput_of(config))
 
         got = tune(evaluate, dict(targets))
         problem = config_problem(got)
         if problem:
-            fail(exercise, f"for targets {targets}, tune returned {got!r}: {problem}. {CONVENTION}")
+            ex.fail(f"for targets {targets}, tune returned {got!r}: {problem}.")
         mine, ref = goodput_of(got), goodput_of(_reference_choice(goodput_of))
+        if mine["goodput"] >= ref["goodput"]:
+            continue
+        limit = mine["limit"]
+        missed = " and ".join(f"{NAMES[k]} {limit[k]:.1f} ms > {targets[k]:g} ms (by "
+                              f"{limit['misses'][k]:.1f} ms)" for k in TARGET_KEYS
+                              if k in limit["misses"])
+        worst = max(limit["misses"], key=lambda k: limit["misses"][k] / targets[k])
         where = (f"for targets P99 TTFT <= {targets['p99_ttft_ms']:g} ms, P99 ITL <= "
-                 f"{targets['p99_itl_ms']:g} ms (drawn now), your choice ({_show(got)})")
-        if mine["goodput"] < ref["goodput"]:
-            limit = mine["limit"]
-            missed = sorted(limit["misses"], key=lambda k: -limit["misses"][k] / targets[k])
-            if mine["goodput"] == 0:
-                fail(exercise, f"{where} misses the targets even at the lowest rate, "
-                               f"{limit['rate']:g} requests/s: {_describe_misses(limit, targets)}. "
-                               f"The grader's search sustains {ref['goodput']:g} requests/s. "
-                               f"Hint: {HINTS[missed[0]]}.")
-            fail(exercise, f"{where} sustains {mine['goodput']:g} requests/s within them; the "
-                           f"grader's search sustains {ref['goodput']:g}. At "
-                           f"{limit['rate']:g} requests/s yours misses: "
-                           f"{_describe_misses(limit, targets)}. Hint: {HINTS[missed[0]]}.")
-    passed(exercise, f"your tuner's choices reach the goodput of the grader's search for "
-                     f"{DRAWS} sets of targets drawn when it was graded, within "
-                     f"{MAX_EVALUATIONS} evaluations each.")
+                 f"{targets['p99_itl_ms']:g} ms (drawn now), your choice ("
+                 + ", ".join(f"{k}={int(got[k])}" for k in KNOBS) + ")")
+        if mine["goodput"] == 0:
+            ex.fail(f"{where} misses the targets even at the lowest rate, {limit['rate']:g} "
+                    f"requests/s: {missed}. The grader's search sustains {ref['goodput']:g} "
+                    f"requests/s. Hint: {HINTS[worst]}.")
+        ex.fail(f"{where} sustains {mine['goodput']:g} requests/s within them; the grader's "
+                f"search sustains {ref['goodput']:g}. At {limit['rate']:g} requests/s yours "
+                f"misses: {missed}. Hint: {HINTS[worst]}.")
+    ex.passed(f"your tuner's choices reach the goodput of the grader's search for "
+              f"{DRAWS} sets of targets drawn when it was graded, within "
+              f"{MAX_EVALUATIONS} evaluations each.")
 
 
-__all__ = ["check_goodput_tuner", "draw_targets", "MAX_EVALUATIONS", "GOODPUT_RATES"]
-
-
-# -- Exercise 11.2: your own engine, end to end -------------------------------------------------
+# -- 11.2 ----------------------------------------------------------------------------------------
 
 OWN_ENGINE_ANSWER = (
     "minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
     "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
     "minivllm.core.scheduler:Scheduler.schedule", "minivllm.core.scheduler:Scheduler._try_admit",
     "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
-    "minivllm.core.scheduler:Scheduler._preempt", "minivllm.core.scheduler_v0:PhaseSeparatedScheduler",
-    "minivllm.core.block_pool:BlockPool")
+    "minivllm.core.scheduler:Scheduler._preempt",
+    "minivllm.core.scheduler_v0:PhaseSeparatedScheduler", "minivllm.core.block_pool:BlockPool")
 OWN_ENGINE_CONVENTION = (
     "Expected: LLM(model, sampler_cls=your sampler, scheduler_cls=your scheduler, "
     "block_pool_cls=your block pool) serves the workload: every greedy request gives the "
@@ -166,7 +141,6 @@ def _serve(classes: dict):
     """(outputs of the workload, preemptions, cached prompt tokens, the seeded request served
     alone afterwards) on a fresh engine."""
     from minivllm import LLM, SamplingParams
-    from minivllm.course.checks.common import ENGINE_PROMPTS, check_model_path
     from minivllm.testing import engine_core
 
     llm = LLM(check_model_path(), show_progress=False, **OWN_ENGINE_ARGS, **classes)
@@ -186,10 +160,8 @@ def _reference_engine_run():
 
 
 def check_own_engine(sampler_cls, scheduler_cls, block_pool_cls, exercise: str = "11.2") -> None:
-    """An engine assembled from the learner's sampler (2.1), scheduler (5.1) and block pool (6.2)
-    serves a workload end to end; graded by behaviour against the package's engine."""
-    from minivllm.course.checks.common import check_engine
-
+    """An engine of the learner's sampler (2.1), scheduler (5.1) and block pool (6.2) serves a
+    workload end to end; graded by behaviour against the package's engine."""
     ex = Exercise(exercise, OWN_ENGINE_CONVENTION, OWN_ENGINE_ANSWER,
                   allowed="the components you wrote in exercises 2.1, 5.1 and 6.2",
                   required=("schedule",))
