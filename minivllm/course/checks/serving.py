@@ -26,20 +26,6 @@ PROMPTS = [("What is the capital of France?", {}),
 
 
 @contextlib.contextmanager
-def serving(chat_stream=None, **engine_kwargs):
-    """A minivllm server on a free port in a thread of this process; yields its base URL."""
-    from minivllm.config import EngineArgs
-    from minivllm.engine.async_llm import AsyncLLM
-    from minivllm.entrypoints.openai.api_server import build_app
-    from minivllm.model_hub import BUNDLED_NAME
-
-    args = dict(device="cpu", max_model_len=512, num_kv_blocks=256, multiprocess=False)
-    engine = AsyncLLM.from_engine_args(EngineArgs(**{**args, **engine_kwargs}), show_progress=False)
-    with app_in_thread(build_app(engine, [BUNDLED_NAME], chat_stream=chat_stream), engine) as url:
-        yield url
-
-
-@contextlib.contextmanager
 def app_in_thread(app, engine):
     """Serve ``app`` (over ``engine``, an ``AsyncLLM``) with uvicorn on a free port, on a thread
     of this process; yields the base URL; stops the server, then the engine."""
@@ -71,6 +57,11 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
     import httpx
     import openai
 
+    from minivllm.config import EngineArgs
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.openai.api_server import build_app
+    from minivllm.model_hub import BUNDLED_NAME
+
     ex = Exercise(exercise, STREAM_CONVENTION,
                   ("minivllm.entrypoints.openai.serving:chat_completion_stream_generator",),
                   allowed="json, time and the RequestOutputs of outputs")
@@ -78,7 +69,10 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
         ex.fail(f"expected an async generator function, got {chat_stream!r}.")
     chat_stream = ex.take(chat_stream, "chat_stream")
     _probe(ex, chat_stream)  # an unsolved exercise raises here, not inside the server
-    with serving(chat_stream) as url:
+    args = EngineArgs(device="cpu", max_model_len=512, num_kv_blocks=256, multiprocess=False)
+    engine = AsyncLLM.from_engine_args(args, show_progress=False)
+    app = build_app(engine, [BUNDLED_NAME], chat_stream=chat_stream)
+    with app_in_thread(app, engine) as url:  # a server on a thread of this process
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         for prompt, extra in PROMPTS:
