@@ -118,9 +118,9 @@ class FakeCore:
 class _Loop:
     """The learner's loop running on a thread over ``core``; ``expect`` stops it, then fails."""
 
-    def __init__(self, ex: Exercise, proc_cls, core: FakeCore, waiting=()) -> None:
+    def __init__(self, ex: Exercise, proc_cls, core, waiting=(), output_put=None) -> None:
         self.ex, self.core, self.errors = ex, core, []
-        self.proc = proc_cls(core, core.put)
+        self.proc = proc_cls(core, output_put or core.put)
         if not isinstance(getattr(self.proc, "input_queue", None), queue.Queue):
             ex.fail("the loop needs self.input_queue, a queue.Queue the IO thread fills.")
         self.put(*waiting)
@@ -263,16 +263,13 @@ def _check_real_core(ex: Exercise, proc_cls) -> int:
         if outputs.engine_error or len(finished) == len(ENGINE_PROMPTS):
             done.set()
 
-    proc = proc_cls(engine.engine_core.engine_core, put)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for i, prompt in enumerate(ENGINE_PROMPTS):
-        proc.input_queue.put((ADD, engine.processor.process(f"loop-{i}", prompt, params)[0]))
-    thread = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    requests = [(ADD, engine.processor.process(f"loop-{i}", prompt, params)[0])
+                for i, prompt in enumerate(ENGINE_PROMPTS)]
     engine.reset_prefix_cache()
-    thread.start()
-    ok = done.wait(timeout=120)
-    proc.input_queue.put((SHUTDOWN, None))
-    thread.join(timeout=10)
+    loop = _Loop(ex, proc_cls, engine.engine_core.engine_core, requests, output_put=put)
+    ok = loop.wait(done.is_set, timeout=120)
+    loop.stop()  # raises what the loop raised
     engine.reset_prefix_cache()
     if not ok:
         ex.fail("on the real engine core, 4 requests of 8 tokens did not finish within 120 s.")
