@@ -185,29 +185,6 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
 
 # -- 12.2 ----------------------------------------------------------------------------------------
 
-class _Collectives:
-    """The all-reduce and all-gather among ``tp`` threads, one per rank, in memory."""
-
-    def __init__(self, tp: int) -> None:
-        self.barrier = threading.Barrier(tp, timeout=60)
-        self.slots: list = [None] * tp
-        self.local = threading.local()
-
-    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[self.local.rank] = x.clone()
-        self.barrier.wait()
-        parts = list(self.slots)
-        self.barrier.wait()  # every rank has read them before the next collective writes
-        return parts
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(x)
-        return x.copy_(sum(parts[1:], parts[0]))
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return torch.cat(self._exchange(x.contiguous()), dim=dim)
-
-
 def _load(path: str, rank: int = 0, tp: int = 1):
     """The model at ``path`` built and loaded as rank ``rank`` of ``tp`` (float32, CPU)."""
     from minivllm.distributed.parallel_state import patch_tensor_parallel_rank
@@ -221,25 +198,40 @@ def _load(path: str, rank: int = 0, tp: int = 1):
 
 @torch.inference_mode()
 def _emulated_logits(models: list, token_ids: list[int]) -> torch.Tensor:
-    """Logits of one sequence through the rank models, one thread per rank; every rank's
-    gathered logits must agree, rank 0's are returned."""
+    """Logits of one sequence through the rank models, one thread per rank, their all-reduce
+    and all-gather done in memory; every rank's logits must agree, rank 0's are returned."""
     from minivllm.model import parallel_layers
     from minivllm.model.standalone import sequence_logits
 
     tp = len(models)
-    coll, outputs, errors = _Collectives(tp), [None] * tp, []
+    barrier, local = threading.Barrier(tp, timeout=60), threading.local()
+    slots, outputs, errors = [None] * tp, [None] * tp, []
+
+    def exchange(x: torch.Tensor) -> list[torch.Tensor]:
+        slots[local.rank] = x.clone()
+        barrier.wait()
+        parts = list(slots)
+        barrier.wait()  # every rank has read them before the next collective writes
+        return parts
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        parts = exchange(x)
+        return x.copy_(sum(parts[1:], parts[0]))
+
+    def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(exchange(x.contiguous()), dim=dim)
 
     def run(rank: int) -> None:
-        coll.local.rank = rank
+        local.rank = rank
         try:
             outputs[rank] = sequence_logits(models[rank], token_ids, block_size=16)
         except BaseException as e:  # noqa: BLE001 - raised below
             errors.append(e)
-            coll.barrier.abort()
+            barrier.abort()
 
     names = ("tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather")
     saved = [getattr(parallel_layers, name) for name in names]
-    for name, fn in zip(names, (coll.all_reduce, coll.all_gather)):
+    for name, fn in zip(names, (all_reduce, all_gather)):
         setattr(parallel_layers, name, fn)
     try:
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(tp)]
