@@ -145,9 +145,11 @@ def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: boo
     for trial in range(40):  # a seeded row draws the same token whatever else is in the batch
         row, a, b = (torch.randn(n, VOCAB, generator=g) for n in (1, 6, 9))
         a[1], b[5] = row[0], row[0]
-        drawn = [_sample(ex, sampler, x, _meta([(1.0, 0, 1.0)] * len(x), trial + shift, {
-            i: torch.Generator().manual_seed(1000 + trial)}), "a batch with a seeded row")[i]
-            for x, i, shift in ((a, 1, 0), (b, 5, 7))]
+        drawn = []
+        for x, i, seed_shift in ((a, 1, 0), (b, 5, 7)):
+            meta = _meta([(1.0, 0, 1.0)] * len(x), trial + seed_shift,
+                         {i: torch.Generator().manual_seed(1000 + trial)})
+            drawn.append(_sample(ex, sampler, x, meta, "a batch with a seeded row")[i])
         if drawn[0] != drawn[1]:
             ex.fail(f"a row with its own generator (meta.generators[row]) must draw its randomness "
                     f"from that generator only, so a seeded request samples the same token "
