@@ -1,23 +1,16 @@
-"""Checker for chapter 03's exercise 3.1: a request's block table growing, ``allocate_slots``.
-
-The learner's ``KVCacheManager`` subclass writes ``allocate_slots`` (prefix caching off: the
-last two arguments are 0 and empty). Small scenarios and random grow / free / run-out calls on
-a bare manager are compared with the rule, with a hint for each classic mistake (rounding down,
-allocating past the free blocks or partly before refusing, counting all the blocks instead of
-the new ones); then the real engine with too few blocks (requests grow, finish, get preempted):
-every step's block tables, the free blocks and every greedy output must be the package's. The
-package's ``allocate_slots`` is refused (called, inherited or through ``super()``).
-"""
+"""Checker for exercise 3.1, ``KVCacheManager.allocate_slots`` (caching off): scenarios and random
+calls on a bare manager, then the engine with too few blocks, step by step beside the package's."""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
-from minivllm.course.checks.common import Delegated, Exercise, check_engine, fail, passed
+from minivllm.course.checks.common import Exercise, check_engine
 from minivllm.utils import cdiv
 
 CONVENTION = (
@@ -27,105 +20,130 @@ CONVENTION = (
     "the pool has fewer free blocks than that (self.block_pool.get_num_free_blocks()), return "
     "None and take nothing; otherwise take them with self.block_pool.get_new_blocks(n), append "
     "them to the request's list and return the new blocks (an empty list when none are needed).")
-
-
 ANSWER = ("minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",)
 ALLOWED = ("self.req_to_blocks, self.block_size and self.block_pool (get_num_free_blocks, "
            "get_new_blocks)")
 
 
+class _Grown(NamedTuple):
+    held: int  # blocks before the call
+    tokens: int  # tokens after it
+    block_size: int
+    now: int  # blocks the learner's manager holds after it
+
+
+MISTAKES = [
+    (lambda g: g.tokens % g.block_size and g.now == g.tokens // g.block_size,
+     "that is floor(tokens / block_size) blocks: a partly filled last block is a block too, "
+     "round up."),
+    (lambda g: g.held and g.now == g.held + cdiv(g.tokens, g.block_size),
+     "that is ceil(tokens / block_size) new blocks on top of those it held: the blocks it "
+     "already holds count."),
+    (lambda g: g.tokens % g.block_size == 0 and g.now == g.tokens // g.block_size + 1,
+     "that is tokens // block_size + 1 blocks, one too many when the tokens fill their last "
+     "block exactly."),
+]
+
+# (request, computed tokens, new tokens, what, pass the cache-hit arguments); None: "a" finishes
+SCENARIOS = [
+    ("a", 0, 9, "a new request's 9-token prompt", False),  # 3 blocks (not 2: round up)
+    ("a", 9, 1, "its first decode", False),  # 10 tokens in 3 blocks: nothing new
+    ("a", 10, 2, "2 more tokens", False),  # 12 tokens fill 3 blocks exactly: nothing new
+    ("a", 12, 1, "one more", False),  # the 13th token needs a 4th block
+    ("b", 0, 8, "a prompt of exactly 2 blocks", False),  # 2, not 3
+    ("c", 0, 12, "a prompt of 3 blocks", True),  # 9 of 10 blocks now held
+    ("b", 8, 8, "no room (2 new blocks needed, 1 free)", False),  # refused, nothing taken
+    ("d", 0, 5, "a new request with no room", False),  # refused
+    ("c", 12, 4, "exactly enough room (1 needed, 1 free)", False),  # taken
+    None,
+    ("d", 0, 5, "a new request after another finished", False),  # 2 blocks
+]
+
+
 def check_allocate_slots(kv_cache_manager_cls: type, exercise: str = "3.1", seed: int = 0) -> None:
     """``kv_cache_manager_cls``: a ``KVCacheManager`` subclass with its own ``allocate_slots``."""
-    kv_cache_manager_cls = Exercise(exercise, CONVENTION, ANSWER, ALLOWED,
-                                    required=("allocate_slots",)).take(
-        kv_cache_manager_cls, "allocate_slots")
-    reference = _reference_run(seed)
-    cases = _scenarios(kv_cache_manager_cls, exercise) + _random_calls(
-        kv_cache_manager_cls, exercise, seed)
-    got = _engine_run(kv_cache_manager_cls, exercise, seed)
-    _compare_runs(exercise, reference, got)
-    steps, preempted = len(reference["steps"]), reference["preemptions"]
-    passed(exercise, f"allocate_slots follows the rule on {cases} calls, and the engine using it "
-                     f"({steps} steps, {reference['num_blocks']} KV blocks, {preempted} "
-                     f"preemptions) holds the package's blocks after every step and generates "
-                     f"the reference tokens.")
+    ex = Exercise(exercise, CONVENTION, ANSWER, ALLOWED, required=("allocate_slots",))
+    cls = ex.take(kv_cache_manager_cls, "allocate_slots")
+    led = _Ledger(ex, cls, num_blocks=10, block_size=4)
+    for row in SCENARIOS:
+        if row is None:
+            led.free("a")
+            continue
+        rid, computed, new, what, hit_args = row
+        extra = dict(num_new_computed_tokens=0, new_computed_blocks=[]) if hit_args else {}
+        led.call(rid, computed, new, what, **extra)
+    calls = len(SCENARIOS) - 1 + _random_calls(ex, cls, seed)
+    expected, got = _reference_run(seed), _engine_run(cls, seed)
+    if len(got["outputs"]) < len(expected["outputs"]):
+        ex.fail("the engine did not finish the workload in 400 steps with your allocate_slots: "
+                "requests never got their blocks.")
+    where = (f"in the engine ({ENGINE_SETTINGS['num_kv_blocks']} KV blocks of 8 tokens, caching "
+             "off, a workload that outgrows them)")
+    ex.compare_lists(f"{where}, ({{request: blocks it holds}}, free blocks) after each step "
+                     "(item i: after step i + 1)", got["steps"], expected["steps"])
+    bad = sorted(r for r, t in expected["outputs"].items() if got["outputs"].get(r) != t)
+    if bad:
+        ex.fail(f"{where}: requests {bad} generated other tokens than with the package's "
+                "allocate_slots.")
+    ex.passed(f"allocate_slots follows the rule on {calls} calls, and the engine using it "
+              f"({len(expected['steps'])} steps, {ENGINE_SETTINGS['num_kv_blocks']} KV blocks, "
+              f"{expected['preemptions']} preemptions) holds the package's blocks after every "
+              "step and generates the reference tokens.")
 
-
-# -- calls on a bare manager ---------------------------------------------------------------------
 
 class _Ledger:
-    """The learner's manager and what the rule says it should hold."""
+    """The learner's manager, and the blocks the rule says each request holds."""
 
-    def __init__(self, cls: type, exercise: str, num_blocks: int, block_size: int) -> None:
-        self.exercise, self.block_size = exercise, block_size
+    def __init__(self, ex: Exercise, cls: type, num_blocks: int, block_size: int) -> None:
+        self.ex, self.bs, self.held, self.requests = ex, block_size, {}, {}
         self.manager = cls(num_blocks, block_size, enable_caching=False)
         if not isinstance(self.manager, KVCacheManager):
-            fail(exercise, f"{cls.__name__} is not a KVCacheManager subclass: subclass it and "
-                           f"write allocate_slots (the engine calls the rest of its methods).")
-        self.held: dict[str, int] = {}  # request id -> blocks it should hold
-        self.requests: dict[str, Request] = {}
+            ex.fail(f"{cls.__name__} is not a KVCacheManager subclass: subclass it and write "
+                    "allocate_slots (the engine calls the rest of its methods).")
 
-    def free_blocks(self) -> int:
-        return self.manager.block_pool.get_num_free_blocks()
-
-    def call(self, rid: str, num_computed: int, num_new: int, what: str, **extra) -> bool:
-        """``allocate_slots`` for request ``rid`` with ``num_computed`` tokens already computed;
-        False if it (rightly) refused."""
-        request = self.requests.setdefault(rid, Request.from_prompt(rid, list(range(100, 100 + 1))))
-        request.num_computed_tokens = num_computed
-        bs, held, free = self.block_size, self.held.get(rid, 0), self.free_blocks()
-        total = num_computed + num_new
+    def call(self, rid: str, computed: int, new: int, what: str, **extra) -> bool:
+        """``allocate_slots`` for ``new`` tokens after ``computed``; False if rightly refused."""
+        request = self.requests.setdefault(rid, Request.from_prompt(rid, [100]))
+        request.num_computed_tokens = computed
+        pool, ex, bs = self.manager.block_pool, self.ex, self.bs
+        held, free, total = self.held.get(rid, 0), pool.get_num_free_blocks(), computed + new
         need = max(0, cdiv(total, bs) - held)
-        refuse = need > free
-        situation = (f"{what}: request {rid!r} holds {held} blocks of {bs} tokens, has "
-                     f"{num_computed} computed tokens and asks for {num_new} more ({total} in "
-                     f"all), and the pool has {free} free")
+        where = (f"{what}: request {rid!r} holds {held} blocks of {bs} tokens, has {computed} "
+                 f"computed tokens and asks for {new} more ({total} in all), and the pool has "
+                 f"{free} free")
+        no_room = f"{where}: it needs {need} new blocks, more than are free"
         try:
-            got = self.manager.allocate_slots(request, num_new, **extra)
-        except Delegated:
-            raise
+            got = self.manager.allocate_slots(request, new, **extra)
         except TypeError as e:
             if extra:
-                fail(self.exercise, f"{situation}; allocate_slots(request, num_new_tokens, "
-                                    f"num_new_computed_tokens=0, new_computed_blocks=[]) raised "
-                                    f"{e!r}: accept those two arguments too (the scheduler names "
-                                    f"them; with caching off they are 0 and empty).")
+                ex.fail(f"{where}, with num_new_computed_tokens=0, new_computed_blocks=[]: "
+                        f"allocate_slots raised {e!r}: accept those arguments too.")
             raise
         except ValueError as e:
-            if refuse:
-                fail(self.exercise, f"{situation}: it needs {need} new blocks, more than are free, "
-                                    f"and your allocate_slots raised {e!r}. Check the free blocks "
-                                    f"first and return None, taking nothing. {CONVENTION}")
+            if need > free:
+                ex.fail(f"{no_room}, and your allocate_slots raised {e!r}. Check the free blocks "
+                        "first and return None, taking nothing.")
             raise
-        now_held = len(self.manager.get_block_ids(rid))
-        now_free = self.free_blocks()
-        if refuse:
+        now, now_free = len(self.manager.get_block_ids(rid)), pool.get_num_free_blocks()
+        shown = f"a list of {len(got)} blocks" if hasattr(got, "__len__") else repr(got)
+        if need > free:
             if got is not None:
-                fail(self.exercise, f"{situation}: it needs {need} new blocks, more than are free; "
-                                    f"expected None, got {_shown(got)}. {CONVENTION}")
-            if now_free != free or now_held != held:
-                fail(self.exercise, f"{situation}: it needs {need} new blocks, more than are "
-                                    f"free. Your allocate_slots returned None but took "
-                                    f"{_blocks(free - now_free)} from the pool (the request now "
-                                    f"holds {now_held}): a refusal takes nothing, or those "
-                                    f"blocks leak. {CONVENTION}")
+                ex.fail(f"{no_room}; expected None, got {shown}.")
+            if (now, now_free) != (held, free):
+                taken = free - now_free
+                ex.fail(f"{no_room}. Your allocate_slots returned None but took {taken} "
+                        f"block{'s' * (taken != 1)} from the pool (the request now holds {now}): "
+                        "a refusal takes nothing, or those blocks leak.")
             return False
         if got is None:
-            fail(self.exercise, f"{situation}: it needs {need} new blocks and they are free; "
-                                f"expected them, got None. {CONVENTION}")
-        if now_held != held + need or now_free != free - need:
-            fail(self.exercise, f"{situation}: expected it to take {need} new blocks "
-                                f"(ceil({total} / {bs}) = {cdiv(total, bs)} in all), it took "
-                                f"{free - now_free} and the request now holds {now_held}. "
-                                f"{_hint(held, total, bs, now_held)}{CONVENTION}")
-        try:
-            returned = len(got)
-        except TypeError:
-            returned = None
-        if returned != need:
-            fail(self.exercise, f"{situation}: allocate_slots took the right blocks but returned "
-                                f"{_shown(got)}; expected the list of the {need} new blocks. "
-                                f"{CONVENTION}")
+            ex.fail(f"{where}: it needs {need} new blocks and they are free; it returned None.")
+        if (now, now_free) != (held + need, free - need):
+            ex.fail(f"{where}: expected it to take {need} new blocks (ceil({total} / {bs}) = "
+                    f"{cdiv(total, bs)} in all), it took {free - now_free} and the request now "
+                    f"holds {now}.", ex.hint(_Grown(held, total, bs, now), MISTAKES))
+        if not hasattr(got, "__len__") or len(got) != need:
+            ex.fail(f"{where}: allocate_slots took the right blocks but returned {shown}; "
+                    f"expected the list of the {need} new blocks.")
         self.held[rid] = held + need
         return True
 
@@ -134,52 +152,10 @@ class _Ledger:
         self.held.pop(rid, None)
 
 
-def _blocks(n: int) -> str:
-    return f"{n} block" if n == 1 else f"{n} blocks"
-
-
-def _shown(got) -> str:
-    try:
-        return f"a list of {len(got)} blocks"
-    except TypeError:
-        return repr(got)
-
-
-def _hint(held: int, total: int, bs: int, now_held: int) -> str:
-    if total % bs and now_held == total // bs:
-        return ("Hint: that is floor(tokens / block_size) blocks: a partly filled last block is "
-                "a block too, round up. ")
-    if held and now_held == held + cdiv(total, bs):
-        return (f"Hint: that is {cdiv(total, bs)} new blocks on top of the {held} it held: the "
-                f"blocks it already holds count. ")
-    if total % bs == 0 and now_held == total // bs + 1:
-        return ("Hint: that is tokens // block_size + 1 blocks, one too many when the tokens fill "
-                "their last block exactly. ")
-    return ""
-
-
-def _scenarios(cls: type, exercise: str) -> int:
-    """The classic cases, each with its hint."""
-    led = _Ledger(cls, exercise, num_blocks=10, block_size=4)
-    led.call("a", 0, 9, "a new request's 9-token prompt")  # 3 blocks (not 2: round up)
-    led.call("a", 9, 1, "its first decode")  # 10 tokens in 3 blocks: nothing new
-    led.call("a", 10, 2, "2 more tokens")  # 12 tokens fill 3 blocks exactly: nothing new
-    led.call("a", 12, 1, "one more")  # the 13th token needs a 4th block
-    led.call("b", 0, 8, "a prompt of exactly 2 blocks")  # 2, not 3
-    led.call("c", 0, 12, "a prompt of 3 blocks", num_new_computed_tokens=0,
-             new_computed_blocks=[])  # cache-hit arguments accepted; 9 of 10 blocks now held
-    led.call("b", 8, 8, "no room (2 new blocks needed, 1 free)")  # refused, nothing taken
-    led.call("d", 0, 5, "a new request with no room")  # refused
-    led.call("c", 12, 4, "exactly enough room (1 needed, 1 free)")  # taken
-    led.free("a")
-    led.call("d", 0, 5, "a new request after another finished")  # 2 blocks
-    return 10
-
-
-def _random_calls(cls: type, exercise: str, seed: int, num_calls: int = 300) -> int:
+def _random_calls(ex: Exercise, cls: type, seed: int, num_calls: int = 300) -> int:
     """Requests growing by prefill chunks and decodes, finishing, and running out of blocks."""
     rng = np.random.default_rng(seed)
-    led = _Ledger(cls, exercise, num_blocks=24, block_size=int(rng.choice([2, 4, 8])))
+    led = _Ledger(ex, cls, num_blocks=24, block_size=int(rng.choice([2, 4, 8])))
     computed: dict[str, int] = {}
     next_id = 0
     for _ in range(num_calls):
@@ -190,8 +166,7 @@ def _random_calls(cls: type, exercise: str, seed: int, num_calls: int = 300) -> 
             del computed[rid]
             continue
         if not computed or op < 0.3:
-            rid = f"r{next_id}"
-            next_id += 1
+            rid, next_id = f"r{next_id}", next_id + 1
             computed[rid] = 0
         else:
             rid = str(rng.choice(sorted(computed)))
@@ -204,76 +179,34 @@ def _random_calls(cls: type, exercise: str, seed: int, num_calls: int = 300) -> 
     return num_calls
 
 
-# -- the real engine ------------------------------------------------------------------------------
-
 ENGINE_SETTINGS = dict(enable_prefix_caching=False, num_kv_blocks=14, max_num_batched_tokens=32,
                        max_num_seqs=8, scheduler="v1")
 
 
-def _workload(seed: int):
-    """(step, request id, prompt token ids, max_tokens): more than 14 blocks of 8 tokens hold."""
-    rng = np.random.default_rng(seed)
-    vocab = check_engine().llm_engine.config.model_config.hf_config.vocab_size
-    arrivals, step = [], 0
-    for i in range(8):
-        prompt = rng.integers(10, vocab, int(rng.integers(3, 40))).tolist()
-        arrivals.append((step, f"r{i}", prompt, int(rng.integers(4, 24))))
-        step += int(rng.integers(0, 4))
-    return arrivals
-
-
 @functools.lru_cache(maxsize=None)
 def _reference_run(seed: int) -> dict:
-    return _engine_run(None, "reference", seed)
+    return _engine_run(None, seed)
 
 
-def _engine_run(cls: type | None, exercise: str, seed: int) -> dict:
-    """Run the workload with ``cls`` (None: the package's manager) as the KV cache manager;
-    after each step record the blocks each request holds and the free blocks."""
-    from minivllm import SamplingParams
+def _engine_run(cls: type | None, seed: int) -> dict:
+    """Eight requests arriving over more than 14 blocks of 8 tokens hold, with ``cls`` (None: the
+    package's) as the KV cache manager: (blocks held, free blocks) after each step, outputs."""
+    from minivllm.course.checks.scheduler import run_arrivals
     from minivllm.course.swap import swapped_scheduler
 
-    llm = check_engine()
-    engine = llm.llm_engine
-    arrivals = _workload(seed)
-    last = max(a[0] for a in arrivals)
-    steps, outputs = [], {}
+    llm, rng = check_engine(), np.random.default_rng(seed)
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    arrivals, at, steps = [], 0, []
+    for i in range(8):
+        prompt = rng.integers(10, vocab, int(rng.integers(3, 40))).tolist()
+        arrivals.append((at, f"r{i}", prompt, int(rng.integers(4, 24))))
+        at += int(rng.integers(0, 4))
     with swapped_scheduler(llm, kv_cache_manager_cls=cls, **ENGINE_SETTINGS) as scheduler:
         manager = scheduler.kv_cache_manager
-        for step in range(400):
-            for at, rid, prompt, max_tokens in arrivals:
-                if at == step:
-                    engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(
-                        temperature=0, max_tokens=max_tokens, ignore_eos=True))
-            if step > last and not engine.has_unfinished_requests():
-                break
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+        def record() -> None:
             held = {rid: len(manager.get_block_ids(rid)) for rid in scheduler.requests}
             steps.append(({k: v for k, v in held.items() if v}, manager.get_num_free_blocks()))
-        else:
-            fail(exercise, "the engine did not finish the workload in 400 steps with your "
-                           "allocate_slots: requests never got their blocks. " + CONVENTION)
-        preemptions = scheduler.num_preemptions
-    return dict(steps=steps, outputs=outputs, preemptions=preemptions,
-                num_blocks=ENGINE_SETTINGS["num_kv_blocks"])
 
-
-def _compare_runs(exercise: str, expected: dict, got: dict) -> None:
-    where = (f"in the engine ({expected['num_blocks']} KV blocks of 8 tokens, caching off, "
-             f"a workload that outgrows them)")
-    for i, ((e_held, e_free), (g_held, g_free)) in enumerate(zip(expected["steps"], got["steps"])):
-        if g_held != e_held or g_free != e_free:
-            fail(exercise, f"{where}, after step {i + 1}: the requests hold {g_held} blocks and "
-                           f"{g_free} are free; expected {e_held} and {e_free} free (the "
-                           f"package's allocate_slots). {CONVENTION}")
-    if len(got["steps"]) != len(expected["steps"]):
-        fail(exercise, f"{where}: the workload took {len(got['steps'])} steps, expected "
-                       f"{len(expected['steps'])}. {CONVENTION}")
-    if got["outputs"] != expected["outputs"]:
-        bad = sorted(r for r, tokens in expected["outputs"].items()
-                     if got["outputs"].get(r) != tokens)
-        fail(exercise, f"{where}: requests {bad} generated other tokens than with the package's "
-                       f"allocate_slots. {CONVENTION}")
-
+        outputs = run_arrivals(llm, arrivals, 400, record)
+        return dict(steps=steps, outputs=outputs, preemptions=scheduler.num_preemptions)
