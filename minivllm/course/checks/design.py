@@ -1,11 +1,5 @@
-"""Design exercises graded by behaviour: 5.3 priority preemption, 7.3 overlap scheduling.
-
-The grader draws a workload when it grades, drives an ``EngineCore`` step by step (requests
-arriving between steps) and checks what can be observed against the package's engine: greedy
-tokens, the KV cache's invariants (``minivllm.testing``), and the exercise's own property (from
-the step trace, or timestamps of an instrumented model runner). The learner's class comes in
-through public injection points: ``scheduler_cls`` (5.3), the ``EngineCore`` subclass (7.3).
-"""
+"""Design exercises graded by behaviour (5.3 priority preemption, 7.3 overlap scheduling): an
+``EngineCore`` serves a workload drawn now; tokens, KV invariants and the exercise's property."""
 
 from __future__ import annotations
 
@@ -38,17 +32,21 @@ def _request(rid: str, rng: random.Random, arrival: float, prompt_len: int, max_
                              arrival_time=arrival, priority=priority)
 
 
+def _rng(seed: int | None) -> random.Random:
+    return random.Random(seed if seed is not None else random.SystemRandom().random())
+
+
 def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> dict:
-    """Add each ``(step, request)`` of ``workload`` before that step, step until every request
-    finished; request id -> its tokens. ``on_step(step, outputs, arrived ids)`` after each."""
+    """Add each ``(step, request)`` before that step and step until all finish (no KV block may
+    leak); request id -> its tokens. ``on_step(step, outputs, arrived ids)`` after each step."""
     from minivllm.testing import all_free_violations
 
-    pending, tokens, arrived = sorted(workload, key=lambda w: w[0]), {}, []
+    pending, tokens, finished = sorted(workload, key=lambda w: w[0]), {}, set()
     step = 0
     try:
         while pending or core.has_unfinished_requests():
             if step >= max_steps:
-                left = sorted(set(arrived) - {r for r, t in tokens.items() if t[1]})
+                left = sorted(set(tokens) - finished)
                 ex.fail(f"after {max_steps} steps requests {left} have not finished: every "
                         "request must finish (none may starve or be lost)." if left else
                         f"after {max_steps} steps every request has finished, but the engine "
@@ -56,21 +54,21 @@ def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> 
             while pending and pending[0][0] <= step:
                 request = pending.pop(0)[1]
                 core.add_request(request)
-                arrived.append(request.request_id)
-                tokens[request.request_id] = ([], False)
+                tokens[request.request_id] = []
             outputs = core.step()
             for out in outputs:
-                got, _ = tokens[out.request_id]
-                tokens[out.request_id] = (got + list(out.new_token_ids), out.finished)
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finished.add(out.request_id)
             if on_step is not None:
-                on_step(step, outputs, arrived)
+                on_step(step, outputs, list(tokens))
             step += 1
         problems = all_free_violations(core.scheduler.kv_cache_manager)
         if problems:
             ex.fail("KV blocks leak: " + "; ".join(problems) + ".")
     finally:
         core.shutdown()
-    return {rid: got for rid, (got, _) in tokens.items()}
+    return tokens
 
 
 def _same_tokens(ex: Exercise, got: dict, want: dict, where: str) -> None:
@@ -92,8 +90,8 @@ PRIORITY_ANSWER = ("minivllm.core.scheduler:Scheduler.schedule",
 
 
 def draw_priority_workload(rng: random.Random) -> list:
-    """Six background requests of drawn priorities 1-3 at step 0, then urgent ones (priority 0)
-    at drawn steps, over a KV cache too small for all: waiting and preemption are certain."""
+    """Six background requests (priorities 1-3) at step 0, two urgent ones (priority 0) later,
+    over a KV cache too small for all: waiting and preemption are certain."""
     work = [(0, _request(f"bg{i}", rng, float(i), rng.randrange(20, 41), rng.randrange(16, 29),
                          rng.randrange(1, 4))) for i in range(6)]
     for j, step in enumerate(sorted(rng.sample(range(2, 9), 2))):
@@ -103,13 +101,13 @@ def draw_priority_workload(rng: random.Random) -> list:
 
 
 def check_priority_scheduler(scheduler_cls, exercise: str = "5.3", seed: int | None = None) -> None:
-    """The learner's scheduler, plugged in through ``EngineArgs.scheduler_cls``, serves a workload
-    drawn now (``seed``: the same draw again) by priority; graded by what the engine shows."""
+    """The learner's scheduler (``EngineArgs.scheduler_cls``) on workloads drawn now (``seed``:
+    the same draws again), graded by what the engine shows."""
     ex = Exercise(exercise, PRIORITY_CONVENTION, PRIORITY_ANSWER, required=("schedule",),
                   allowed="make_scheduler_output, record_admission, _preempt, _try_admit and the "
                           "KV cache manager")
     scheduler_cls = ex.take(scheduler_cls, "scheduler")
-    rng = random.Random(seed) if seed is not None else random.Random(random.SystemRandom().random())
+    rng = _rng(seed)
     preemptions = [_grade_priority(ex, scheduler_cls, draw_priority_workload(rng))
                    for _ in range(PRIORITY_DRAWS)]
     if not all(preemptions):
@@ -122,6 +120,8 @@ def check_priority_scheduler(scheduler_cls, exercise: str = "5.3", seed: int | N
 
 
 def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
+    """Drive ``workload`` with the learner's scheduler, checking each step's trace entry against
+    the ranks; the number of preemptions."""
     from minivllm.testing import kv_cache_violations
 
     rank = {r.request_id: (r.priority, r.arrival_time) for _, r in workload}
@@ -129,29 +129,26 @@ def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
     engine = dict(num_kv_blocks=12, max_model_len=96)
     want = _drive(ex, _core(**engine), workload, 400)
     core = _core(scheduler_cls=scheduler_cls, **engine)
-    state = {"running": set(), "finished": set(), "steps": 0, "preempted": 0}
+    running, done, seen = set(), set(), {"steps": 0, "preempted": 0}
 
     def on_step(step, outputs, arrived):
         problems = kv_cache_violations(core.scheduler)
         if problems:
             ex.fail(f"after step {step}: " + "; ".join(problems) + ".")
-        running, done = state["running"], state["finished"]
         trace = core.get_step_trace()
-        if trace and trace[-1]["step"] >= state["steps"]:
+        if trace and trace[-1]["step"] >= seen["steps"]:
             entry = trace[-1]
-            state["steps"] = entry["step"] + 1
-            waiting = set(arrived) - running - done
-            scheduled = {rid for rid, _, _ in entry["scheduled"]}
-            admitted = scheduled - running
+            seen["steps"] = entry["step"] + 1
+            admitted = {rid for rid, _, _ in entry["scheduled"]} - running
             for r in admitted:
-                outranking = [w for w in waiting - admitted if rank[w] < rank[r]]
-                if outranking:
-                    ex.fail(f"at step {step} you admitted {show(r)} while {show(outranking[0])} "
+                ahead = [w for w in set(arrived) - running - done - admitted if rank[w] < rank[r]]
+                if ahead:
+                    ex.fail(f"at step {step} you admitted {show(r)} while {show(ahead[0])} "
                             "was waiting: the request that outranks it goes first.")
-            running |= admitted
+            running.update(admitted)
             for v in entry["preempted"]:
                 running.discard(v)
-                state["preempted"] += 1
+                seen["preempted"] += 1
                 lower = [r for r in running if rank[r] > rank[v]]
                 if lower:
                     ex.fail(f"at step {step} you preempted {show(v)} while {show(lower[0])}, "
@@ -163,7 +160,7 @@ def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
                 done.add(out.request_id)
 
     _same_tokens(ex, _drive(ex, core, workload, 400, on_step), want, "with your scheduler")
-    return state["preempted"]
+    return seen["preempted"]
 
 
 # -- 7.3 overlap scheduling ----------------------------------------------------------------------
@@ -178,41 +175,39 @@ MODEL_DELAY_S = 0.05  # the instrumented runner's extra time per step: a window 
 
 
 def _instrumented_classes():
-    """A model runner that takes ``MODEL_DELAY_S`` longer per step and a scheduler, both noting
-    when each call starts and ends (on one clock)."""
+    """A model runner ``MODEL_DELAY_S`` slower per step and a scheduler, both logging when each
+    call starts and ends (on one clock)."""
     from minivllm.core.scheduler import Scheduler
     from minivllm.worker.model_runner import ModelRunner
 
-    log = {"model": [], "schedule": []}
-    lock = threading.Lock()
+    log, lock = {"model": [], "schedule": []}, threading.Lock()
+
+    def timed(key, call, *args, delay=0.0):
+        start = time.perf_counter()
+        time.sleep(delay)
+        out = call(*args)
+        with lock:
+            log[key].append((start, time.perf_counter()))
+        return out
 
     class TimedModelRunner(ModelRunner):
         def execute_model(self, scheduler_output):
-            start = time.perf_counter()
-            time.sleep(MODEL_DELAY_S)
-            out = super().execute_model(scheduler_output)
-            with lock:
-                log["model"].append((start, time.perf_counter()))
-            return out
+            return timed("model", super().execute_model, scheduler_output, delay=MODEL_DELAY_S)
 
     class TimedScheduler(Scheduler):
         def schedule(self):
-            start = time.perf_counter()
-            out = super().schedule()
-            with lock:
-                log["schedule"].append((start, time.perf_counter()))
-            return out
+            return timed("schedule", super().schedule)
 
     return TimedModelRunner, TimedScheduler, log
 
 
 def check_overlap_core(core_cls, exercise: str = "7.3", seed: int | None = None) -> None:
-    """The learner's ``EngineCore`` subclass serves a workload drawn now with a model runner that
-    notes its steps' times; graded on tokens, KV blocks and overlap."""
+    """The learner's ``EngineCore`` subclass on a workload drawn now, with a model runner that
+    logs its steps' times; graded on tokens, KV blocks and overlap."""
     ex = Exercise(exercise, OVERLAP_CONVENTION, OVERLAP_ANSWER, required=("step",),
                   allowed="the scheduler's and the executor's methods, and threads")
     core_cls = ex.take(core_cls, "engine core")
-    rng = random.Random(seed) if seed is not None else random.Random(random.SystemRandom().random())
+    rng = _rng(seed)
     workload = [(rng.randrange(0, 9) if i else 0,
                  _request(f"r{i}", rng, float(i), rng.randrange(24, 65), rng.randrange(4, 9)))
                 for i in range(6)]
@@ -220,8 +215,7 @@ def check_overlap_core(core_cls, exercise: str = "7.3", seed: int | None = None)
     want = _drive(ex, _core(**engine), workload, 300)
     runner_cls, scheduler_cls, log = _instrumented_classes()
     core = _core(core_cls, model_runner_cls=runner_cls, scheduler_cls=scheduler_cls, **engine)
-    got = _drive(ex, core, workload, 300)
-    _same_tokens(ex, got, want, "with your engine core")
+    _same_tokens(ex, _drive(ex, core, workload, 300), want, "with your engine core")
     windows, calls = log["model"], log["schedule"]
     overlapped = sum(any(s < b and a < e for s, e in calls) for a, b in windows[:-1])
     if 3 * overlapped < len(windows) - 1:
@@ -232,6 +226,3 @@ def check_overlap_core(core_cls, exercise: str = "7.3", seed: int | None = None)
     ex.passed(f"a workload drawn when it was graded ({len(workload)} requests) gave the package's "
               "greedy tokens, and in at least a third of the model steps the scheduler ran while "
               "the model did.")
-
-
-__all__ = ["check_priority_scheduler", "check_overlap_core", "draw_priority_workload"]

@@ -1,12 +1,5 @@
-"""Checker for chapter 05's exercise 5.2: choose the chunking knobs, graded on the simulator.
-
-``choose_chunking(evaluate, tpot_limit_ms) -> choice`` picks ``max_num_batched_tokens`` and
-``long_prefill_token_threshold`` for the best mean TTFT with the P99 TPOT within the limit, on
-chapter 11's serving workload on the simulated engine (``evaluate`` runs one choice through
-``capstone.simulate_at_rate``). The rate and the limit are drawn when grading (``DRAWS``); the
-choice passes within ``MARGIN`` of the best of the grader's grid search (``GRID``). A failure
-says what the choice measured and how far it is from the best, never which choice the best is.
-"""
+"""Checker for exercise 5.2: the chunking knobs with the best mean TTFT under a P99 TPOT limit,
+on settings drawn when grading, against the grader's grid search on the simulated engine."""
 
 from __future__ import annotations
 
@@ -16,47 +9,39 @@ import random
 from minivllm.course.capstone import chat_and_documents, config_problem, simulate_at_rate
 from minivllm.course.checks.common import Exercise
 
-RATES = (6.0, 10.0, 16.0, 24.0, 32.0)  # requests/s the grader draws from
-# P99 TPOT limits (ms) it draws from: one tight and one loose, whose best choices differ (no
-# single choice is good for both), then one of any
+RATES = (6.0, 10.0, 16.0, 24.0, 32.0)  # requests/s
+# P99 TPOT limits (ms): a tight one and a loose one (no single choice is good for both), then any
 TIGHT, LOOSE, MIDDLE = (12.0, 15.0), (50.0, 80.0), (20.0, 30.0)
-DRAWS = 3
-RATE, TPOT_LIMIT_MS = 16.0, 20.0  # the setting the chapter's prose describes, for exploring
-MAX_NUM_SEQS = 64
-MARGIN = 0.10  # a choice passes within 10% of the grid's best mean TTFT
+DRAWS, MAX_NUM_SEQS, MARGIN = 3, 64, 0.10  # a choice passes within MARGIN of the best mean TTFT
 KEYS = ("max_num_batched_tokens", "long_prefill_token_threshold")
-BUDGETS = (128, 256, 512, 1024, 2048, 4096)
-THRESHOLDS = (0, 64, 128, 256, 512, 1024)
-GRID = tuple((b, t) for b in BUDGETS for t in THRESHOLDS if t < b)
-
+GRID = tuple((b, t) for b in (128, 256, 512, 1024, 2048, 4096)
+             for t in (0, 64, 128, 256, 512, 1024) if t < b)
 CONVENTION = (
     "Expected: choose_chunking(evaluate, tpot_limit_ms) returns a dict with exactly the keys "
     "max_num_batched_tokens (an int >= 16) and long_prefill_token_threshold (an int >= 0; 0: no "
     "cap), whose P99 TPOT (evaluate(budget, threshold)['p99_tpot_ms']) is at most tpot_limit_ms "
     f"and whose mean TTFT is within {MARGIN:.0%} of the best that a grid search finds under that "
     "limit.")
+ANSWER = ("minivllm.course.checks.tuning:_grid_best", "minivllm.course.checks.tuning:draw_settings")
 
 
 @functools.lru_cache(maxsize=None)
-def _run(max_num_batched_tokens: int, long_prefill_token_threshold: int,
-         rate: float = RATE) -> dict:
-    config = {"max_num_batched_tokens": max_num_batched_tokens,
-              "long_prefill_token_threshold": long_prefill_token_threshold,
-              "max_num_seqs": MAX_NUM_SEQS}
+def _run(max_num_batched_tokens: int, long_prefill_token_threshold: int, rate: float) -> dict:
+    config = dict(zip(KEYS, (max_num_batched_tokens, long_prefill_token_threshold)),
+                  max_num_seqs=MAX_NUM_SEQS)
     run = simulate_at_rate(config, chat_and_documents(), rate)
-    return {"mean_ttft_ms": run["mean_ttft_ms"], "p50_ttft_ms": run["p50_ttft_ms"],
-            "p99_ttft_ms": run["p99_ttft_ms"], "p99_tpot_ms": run["p99_itl_ms"]}
+    return {**{k: run[k] for k in ("mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms")},
+            "p99_tpot_ms": run["p99_itl_ms"]}
 
 
 def evaluate_chunking(max_num_batched_tokens: int, long_prefill_token_threshold: int,
-                      rate: float = RATE) -> dict:
-    """One choice on the simulated workload at ``rate`` requests/s: mean, P50 and P99 TTFT, and
-    P99 TPOT (ms)."""
+                      rate: float = 16.0) -> dict:
+    """One choice at ``rate`` requests/s: mean, P50 and P99 TTFT, and P99 TPOT (ms)."""
     return dict(_run(int(max_num_batched_tokens), int(long_prefill_token_threshold), float(rate)))
 
 
 def _grid_best(rate: float, limit: float) -> dict | None:
-    """The grader's search: the run of the grid's best choice under ``limit`` (None if none)."""
+    """The run of the grid's best choice under ``limit`` (None if none)."""
     within = [_run(*key, rate) for key in GRID if _run(*key, rate)["p99_tpot_ms"] <= limit]
     return min(within, key=lambda run: run["mean_ttft_ms"]) if within else None
 
@@ -66,9 +51,6 @@ def draw_settings(seed: int | None = None) -> list[tuple[float, float]]:
     rng = random.Random(seed) if seed is not None else random.SystemRandom()
     limits = [rng.choice(TIGHT), rng.choice(LOOSE), rng.choice(TIGHT + MIDDLE + LOOSE)]
     return [(rng.choice(RATES), limit) for limit in limits]
-
-
-ANSWER = ("minivllm.course.checks.tuning:_grid_best", "minivllm.course.checks.tuning:draw_settings")
 
 
 def check_chunking_choice(choose_chunking, exercise: str = "5.2", seed: int | None = None) -> None:
@@ -81,11 +63,8 @@ def check_chunking_choice(choose_chunking, exercise: str = "5.2", seed: int | No
                 "limit when it grades, so a fixed choice cannot be graded.")
     choose_chunking = ex.take(choose_chunking, "choose_chunking")
     for n, (rate, limit) in enumerate(draw_settings(seed), 1):
-        @ex.provide
-        def evaluate(max_num_batched_tokens, long_prefill_token_threshold, _rate=rate):
-            return evaluate_chunking(max_num_batched_tokens, long_prefill_token_threshold, _rate)
-
-        choice = choose_chunking(evaluate, limit)
+        choice = choose_chunking(ex.provide(functools.partial(evaluate_chunking, rate=rate)),
+                                 limit)
         problem = config_problem(choice, KEYS)
         if problem:
             ex.fail(f"your choice {choice!r}: {problem}.")
@@ -101,9 +80,10 @@ def check_chunking_choice(choose_chunking, exercise: str = "5.2", seed: int | No
                     "max_num_batched_tokens or long_prefill_token_threshold shortens the steps "
                     "that carry prefill chunks).")
         if mine["mean_ttft_ms"] > best["mean_ttft_ms"] * (1 + MARGIN):
-            ex.fail(f"{where}, within the limit, but {mine['mean_ttft_ms'] / best['mean_ttft_ms'] - 1:.0%} "
-                    f"slower to the first token than the best choice of the grader's grid search "
-                    f"under that limit (more than {MARGIN:.0%}).",
+            slower = mine["mean_ttft_ms"] / best["mean_ttft_ms"] - 1
+            ex.fail(f"{where}, within the limit, but {slower:.0%} slower to the first token than "
+                    "the best choice of the grader's grid search under that limit (more than "
+                    f"{MARGIN:.0%}).",
                     hint="too small a budget or cap spreads each prompt over many steps; too "
                          "large a cap (or none) lets a document's chunks take each step's budget "
                          "while the chats behind it wait.")
