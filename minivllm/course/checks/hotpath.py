@@ -50,6 +50,17 @@ def _trace_ops(rng: np.random.Generator, length: int) -> list[tuple]:
     return ops + [("step", 400)]
 
 
+def _rebuilt(scheduler, out) -> dict[str, dict]:
+    """What each scheduled request's row must hold, from the scheduler's state."""
+    rows = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        rows[rid] = {"num_computed_tokens": request.num_computed_tokens - n,
+                     "block_ids": list(scheduler.kv_cache_manager.get_block_ids(rid)),
+                     "token_ids": list(request.all_token_ids)}
+    return rows
+
+
 def _rows_of(ex: Exercise, batch, n: int, where: str) -> dict[str, dict]:
     """The learner's batch, row by row: {req_id: what its row holds}."""
     req_ids = list(batch.req_ids)
@@ -111,20 +122,18 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                 finished += len(out.finished_req_ids)
                 unscheduled += len(set(batch.row_of) - set(out.num_scheduled_tokens)
                                    - out.finished_req_ids - out.preempted_req_ids)
-                expected = {rid: {"num_computed_tokens": scheduler.requests[rid].num_computed_tokens
-                                  - n, "block_ids": list(kv.get_block_ids(rid)),
-                                  "token_ids": list(scheduler.requests[rid].all_token_ids)}
-                            for rid, n in out.num_scheduled_tokens.items()}
+                expected = _rebuilt(scheduler, out)
                 batch.apply(out)
                 where = f"trace {trace}, step {steps}"
                 got = _rows_of(ex, batch, len(expected), where)
-                for rid, key in ((rid, key) for rid in expected for key in expected[rid]):
+                for rid, want in expected.items():
                     if rid not in got:
                         ex.fail(f"{where}: request {rid!r} was scheduled but has no row (rows: "
                                 f"{list(got)}).")
-                    if got[rid][key] != expected[rid][key]:
-                        ex.fail(f"{where}: request {rid!r}'s {key} is {got[rid][key]}, expected "
-                                f"{expected[rid][key]}.")
+                    for key in want:
+                        if got[rid][key] != want[key]:
+                            ex.fail(f"{where}: request {rid!r}'s {key} is {got[rid][key]}, "
+                                    f"expected {want[key]}.")
                 # the model "samples" for the rows that reach the end of their known tokens
                 sampled = []
                 for rid in out.num_scheduled_tokens:
@@ -205,14 +214,6 @@ def check_capture_sizes(choose_capture_sizes, exercise: str = "10.3", seed: int 
 
 # -- Exercise 10.2: copy, pad, replay ------------------------------------------------------------
 
-def _metadata(buffers: dict, size: int, max_seq_len: int) -> AttentionMetadata:
-    """A decode step of ``size`` rows over the static buffers."""
-    return AttentionMetadata(
-        num_actual_tokens=size, num_decodes=size, max_query_len=1, max_seq_len=max_seq_len,
-        query_start_loc=buffers["query_start_loc"][: size + 1], seq_lens=buffers["seq_lens"][:size],
-        block_tables=buffers["block_tables"][:size], slot_mapping=buffers["slot_mapping"][:size])
-
-
 def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) -> None:
     """``graph_runner_cls(replay, sizes, buffers)`` with ``run(input_ids, positions, meta)``:
     first against a recording replay (what lands in the static buffers), then inside the engine
@@ -288,9 +289,13 @@ def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> int:
     scratch = {k: getattr(graphs, k).clone() for k in (  # the learner's static buffers
         "input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")}
 
-    def replay(size):
-        return graphs.model(scratch["input_ids"][:size], scratch["positions"][:size],
-                            _metadata(scratch, size, graphs.max_model_len))
+    def replay(size):  # the model on a decode step of ``size`` rows of the static buffers
+        meta = AttentionMetadata(
+            num_actual_tokens=size, num_decodes=size, max_query_len=1,
+            max_seq_len=graphs.max_model_len, query_start_loc=scratch["query_start_loc"][:size + 1],
+            seq_lens=scratch["seq_lens"][:size], block_tables=scratch["block_tables"][:size],
+            slot_mapping=scratch["slot_mapping"][:size])
+        return graphs.model(scratch["input_ids"][:size], scratch["positions"][:size], meta)
 
     learner, padded_steps = graph_runner_cls(replay, list(graphs.sizes), scratch), []
 

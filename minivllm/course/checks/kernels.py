@@ -112,13 +112,18 @@ def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, 
     return cases
 
 
-def _rows(ex: Exercise, fn, rows) -> int:
-    """Each row (what, args, expected, tol, mistakes): ``fn(*args)`` must match ``expected``."""
-    n = 0
-    for n, (what, args, expected, tol, mistakes) in enumerate(rows, 1):
-        got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        ex.compare_tensors(what, got, expected, tol, tol, ex.hint(got, mistakes))
-    return n
+def _rows(rows, then=None):
+    """A ``run`` for ``_grade``: through the launcher, each row (what, args, expected, tol,
+    mistakes) of ``rows(generator)`` must give ``expected``; then ``then(launcher)``."""
+    def run(ex: Exercise, fn, g) -> int:
+        n = 0
+        for n, (what, args, expected, tol, mistakes) in enumerate(rows(g), 1):
+            got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+            ex.compare_tensors(what, got, expected, tol, tol, ex.hint(got, mistakes))
+        if then is not None:
+            then(fn)
+        return n
+    return run
 
 
 def _drawn(g, count: int, *ranges) -> list[tuple[int, ...]]:
@@ -210,8 +215,7 @@ def check_bias_add(add_bias, kernel=None, exercise: str = "9.1", seed: int | Non
                 (lambda y: shape[0] == shape[1] > 1 and close(y, x + bias[:, None], 1e-8, 1e-5),
                  "bias is indexed by the column, not the row.")]
 
-    n = _grade(exercise, BIAS_CONVENTION, seed, add_bias, kernel, True,
-               lambda ex, fn, g: _rows(ex, fn, rows(g)))
+    n = _grade(exercise, BIAS_CONVENTION, seed, add_bias, kernel, True, _rows(rows))
     passed(exercise, f"your kernel adds the bias on {n} random shapes, edges masked.")
 
 
@@ -226,8 +230,7 @@ def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | Non
                 (lambda y: shape[1] > 16 and close(y, x[:, -last:].sum(1), 1e-4, 1e-5),
                  "each tile replaced the sum instead of adding to it.")]
 
-    n = _grade(exercise, ROW_SUM_CONVENTION, seed, row_sums, kernel, True,
-               lambda ex, fn, g: _rows(ex, fn, rows(g)))
+    n = _grade(exercise, ROW_SUM_CONVENTION, seed, row_sums, kernel, True, _rows(rows))
     passed(exercise, f"your tiled reduction sums {n} random matrices, rows of 1 to 129 columns in "
                      "tiles of 16.")
 
@@ -243,8 +246,7 @@ def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | N
                 (lambda y: k > 16 and close(y, a[:, -last:] @ b[-last:], 1e-3, 1e-5),
                  "only the last K tile counts: add each tile's tl.dot to the accumulator.")]
 
-    n = _grade(exercise, MATMUL_CONVENTION, seed, matmul, kernel, True,
-               lambda ex, fn, g: _rows(ex, fn, rows(g)))
+    n = _grade(exercise, MATMUL_CONVENTION, seed, matmul, kernel, True, _rows(rows))
     passed(exercise, f"your tiled matmul matches a @ b on {n} random shapes (edges masked, K "
                      "looped in tiles).")
 
@@ -384,7 +386,7 @@ def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
                    torch.einsum("hs,shd->hd", w, vv), 1e-4, [])
 
     n = _grade(exercise, CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION, seed, attention, update,
-               False, lambda ex, fn, g: _rows(ex, fn, rows(g)))
+               False, _rows(rows))
     passed(exercise, f"the kernel with your tl online-softmax update matches softmax attention on "
                      f"{n} random cases (contexts of 1 to 70 keys in tiles of 16).")
 
@@ -446,12 +448,9 @@ def check_paged_decode(paged_decode, load_kv_tile=None, exercise: str = "9.6",
                        seed: int | None = None) -> None:
     """``paged_decode(q, kv_cache, block_tables, seq_lens, scale) -> [seqs, heads, d]``: the
     notebook's kernel, reading each tile through the learner's ``load_kv_tile``."""
-    def run(ex, fn, g):
-        n = _rows(ex, fn, _paged_rows(g, [None]))
-        _in_engine(exercise, "load_kv_tile (in the decode kernel)", fn)
-        return n
-
-    n = _grade(exercise, PAGED_CONVENTION, seed, paged_decode, load_kv_tile, False, run)
+    n = _grade(exercise, PAGED_CONVENTION, seed, paged_decode, load_kv_tile, False, _rows(
+        lambda g: _paged_rows(g, [None]),
+        lambda fn: _in_engine(exercise, "load_kv_tile (in the decode kernel)", fn)))
     passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on {n} "
                      "random block tables, and the tiny Llama decoding with it generates the "
                      "reference tokens.")
@@ -461,13 +460,10 @@ def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
                        seed: int | None = None) -> None:
     """``flash_decode(q, kv_cache, block_tables, seq_lens, scale, num_splits) -> [seqs, heads,
     d]``: the notebook's split-K kernel, combined by the learner's reduction ``kernel``."""
-    def run(ex, fn, g):
-        n = _rows(ex, fn, _paged_rows(g, [1, 2, 7]))
-        _in_engine(exercise, "split-K reduction (2 partitions per sequence)",
-                   lambda *args: fn(*args, 2))
-        return n
-
-    n = _grade(exercise, SPLIT_CONVENTION, seed, flash_decode, kernel, True, run)
+    n = _grade(exercise, SPLIT_CONVENTION, seed, flash_decode, kernel, True, _rows(
+        lambda g: _paged_rows(g, [1, 2, 7]),
+        lambda fn: _in_engine(exercise, "split-K reduction (2 partitions per sequence)",
+                              lambda *args: fn(*args, 2))))
     passed(exercise, f"flash-decoding with your reduction matches the reference on {n} random "
                      "cases (1, 2 and 7 partitions, some never reached by short sequences), and "
                      "the tiny Llama decoding with it generates the reference tokens.")

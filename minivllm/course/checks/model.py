@@ -117,6 +117,7 @@ def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         ex.compare_tensors(f"rms_norm(x of shape {shape}, {dtype}, eps={eps:g})", got,
                            ref(x).detach(), tol, tol, hint)
+
     def op(x, weight, eps, residual=None):  # RMSNorm.op: with a residual, norm(x + residual)
         return rms_norm(x, weight, eps) if residual is None else (
             rms_norm(x + residual, weight, eps), x + residual)

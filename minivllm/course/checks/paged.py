@@ -72,7 +72,6 @@ def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0)
             cache[1, table[used:]] += 25.0
             q, scale = torch.randn(heads, d, generator=g), d ** -0.5
 
-
             def attend(n):  # the reference over the first n tokens
                 return paged_decode_attention(q[None], cache, table[None].to(torch.int32),
                                               torch.tensor([n]), scale)[0]
