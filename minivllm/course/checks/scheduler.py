@@ -133,15 +133,13 @@ class Before(NamedTuple):
 class _Watch:
     """The learner's scheduler on one workload, each ``schedule()`` checked by ``check_step``."""
 
-    def __init__(self, ex: Exercise, workload: Workload, check_step, helpers) -> None:
+    def __init__(self, ex: Exercise, workload: Workload, check_step) -> None:
         self.ex, self.workload, self.check_step = ex, workload, check_step
         self.steps = self.mixed_steps = self.preemptions = 0
-        allowed = ALLOWED + ("" if helpers is V1_HELPERS else
-                             " and self._preempt (the preemption step the exercise gives)")
-        self.helpers = Exercise(ex.number, answer=helpers, allowed=allowed, required=("schedule",))
 
     def run(self, cls: type) -> None:
-        watch, cls = self, self.helpers.take(cls, "scheduler")
+        """``cls``: the learner's class as ``Exercise.take`` returned it."""
+        watch = self
 
         class Probe(cls):
             def schedule(self):
@@ -245,9 +243,9 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: _Watch) -> None
 
 def check_phase_separated_scheduler(scheduler_cls: type, exercise: str = "4.1") -> None:
     """``scheduler_cls``: a ``Scheduler`` subclass whose ``schedule()`` is the v0 policy."""
-    ex = _scheduler_exercise(scheduler_cls, exercise, V0_CONVENTION)
-    watch = _Watch(ex, V0_WORKLOAD, _check_v0_step, V0_HELPERS)
-    watch.run(scheduler_cls)
+    ex, cls = _scheduler_exercise(scheduler_cls, exercise, V0_CONVENTION, V0_HELPERS)
+    watch = _Watch(ex, V0_WORKLOAD, _check_v0_step)
+    watch.run(cls)
     ex.passed(f"{scheduler_cls.__name__} kept every one of {watch.steps} steps to a single "
               "phase, gave waiting prompts priority, and the engine's outputs equal the "
               f"reference scheduler's for all {len(V0_WORKLOAD.arrivals)} requests.")
@@ -320,11 +318,11 @@ def _check_preemptions(sched, before: Before, out, watch: _Watch, preempted, sch
 
 def check_unified_scheduler(scheduler_cls: type, exercise: str = "5.1") -> None:
     """``scheduler_cls``: a ``Scheduler`` subclass whose ``schedule()`` is the v1 policy."""
-    ex = _scheduler_exercise(scheduler_cls, exercise, V1_CONVENTION)
+    ex, cls = _scheduler_exercise(scheduler_cls, exercise, V1_CONVENTION, V1_HELPERS)
     steps = 0
     for workload in (CHUNK_WORKLOAD, PREEMPT_WORKLOAD):
-        watch = _Watch(ex, workload, _check_v1_step, V1_HELPERS)
-        watch.run(scheduler_cls)
+        watch = _Watch(ex, workload, _check_v1_step)
+        watch.run(cls)
         if workload is CHUNK_WORKLOAD and not watch.mixed_steps:
             ex.fail(f"workload '{workload.name}': no step ran a prefill chunk beside a decode.")
         if not workload.ample_kv and not watch.preemptions:
@@ -337,9 +335,12 @@ def check_unified_scheduler(scheduler_cls: type, exercise: str = "5.1") -> None:
               "workloads.")
 
 
-def _scheduler_exercise(cls, exercise: str, convention: str) -> Exercise:
-    ex = Exercise(exercise, convention)
+def _scheduler_exercise(cls, exercise: str, convention: str, helpers) -> tuple[Exercise, type]:
+    """The exercise, and the learner's class taken (the package's policy refused)."""
+    allowed = ALLOWED + ("" if helpers is V1_HELPERS else
+                         " and self._preempt (the preemption step the exercise gives)")
+    ex = Exercise(exercise, convention, helpers, allowed, required=("schedule",))
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         ex.fail("expected a subclass of minivllm.core.scheduler.Scheduler (the class, not an "
                 f"instance), got {cls!r}")
-    return ex
+    return ex, ex.take(cls, "scheduler")
