@@ -1,6 +1,7 @@
 /* minivllm's CPU kernels, float32: paged decode attention, the elementwise ops of a decoder
  * layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul) and the linear layers of
- * a decode step's few rows (model/cpu_gemm.py uses them), registered as torch
+ * a decode step's few rows (model/cpu_gemm.py uses them) and the sampler's exponential race
+ * (sample/sampler.py), registered as torch
  * operators (``torch.ops.minivllm_cpu.*``, the TORCH_LIBRARY block at the end) whose loops run on
  * torch's own thread pool (at::parallel_for). minivllm compiles this file the first time it is
  * needed (minivllm/cpu_kernels.py); the torch code it replaces (attention/torch_backend.py,
@@ -604,6 +605,99 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
     return y;
 }
 
+/* ---- sampling: the exponential race, noise and argmax in one pass over each row ----
+ *
+ * tokens[i] = argmax_j probs[i, j] / q_ij with q_ij = -log(u_ij) ~ Exp(1) (sample/sampler.py's
+ * exponential_race, where the u come from torch's generators). Here u_ij is a pure function of
+ * the row's 64-bit key and j: a 32-bit integer hash of j under the key (three xorshift-multiply
+ * rounds, the multipliers of a published low-bias search, keyed twice), whose top 24 bits pick
+ * the midpoint of one of 2^24 equal cells of (0, 1), so u is never 0 or 1 and -log(u) is finite
+ * and positive. Computing u where it is used costs no pass over memory and no serial generator;
+ * a row's tokens depend on its key alone, not on the other rows. */
+
+static inline uint32_t hash32(uint32_t x) {
+    x ^= x >> 17;
+    x *= 0xed5ad4bbu;
+    x ^= x >> 11;
+    x *= 0xac4c1b51u;
+    x ^= x >> 15;
+    x *= 0x31848babu;
+    x ^= x >> 14;
+    return x;
+}
+
+static inline float race_uniform(uint32_t j, uint32_t k0, uint32_t k1) {
+    const uint32_t h = hash32(hash32(j ^ k0) + k1);
+    return ((float)(h >> 8) + 0.5f) * 5.9604644775390625e-8f; /* 2^-24 */
+}
+
+/* log(x) for a normal float x > 0, branch-free so that its loop vectorizes: x = m 2^e with m in
+ * [sqrt(1/2), sqrt(2)), then Cephes' degree-9 polynomial for log(m) (about 1 ulp in float32). */
+static inline float log_positive(float x) {
+    const int32_t bits = std::bit_cast<int32_t>(x);
+    int32_t e = ((bits >> 23) & 0xff) - 126;
+    float m = std::bit_cast<float>((bits & 0x007fffff) | 0x3f000000); /* [0.5, 1) */
+    const bool low = m < 0.707106781186547524f;
+    e = low ? e - 1 : e;
+    m = low ? m + m - 1.f : m - 1.f;
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    const float fe = (float)e;
+    y += -2.12194440e-4f * fe - 0.5f * z;
+    return m + y + 0.693359375f * fe;
+}
+
+constexpr int64_t RACE_CHUNK = 1024;
+
+at::Tensor race_sample(const at::Tensor &probs, const at::Tensor &keys) {
+    check_float_rows(probs, "race_sample", "probs");
+    TORCH_CHECK_VALUE(probs.dim() == 2 && probs.stride(1) == 1,
+                      "race_sample: probs must be [rows, vocab] with a contiguous last dim");
+    TORCH_CHECK_VALUE(keys.device().is_cpu() && keys.scalar_type() == at::kLong &&
+                      keys.dim() == 1 && keys.size(0) == probs.size(0) && keys.is_contiguous(),
+                      "race_sample: keys must be a contiguous int64 [rows] on the CPU");
+    const int64_t rows = probs.size(0), vocab = probs.size(1), stride = probs.stride(0);
+    TORCH_CHECK_VALUE(vocab > 0 && vocab <= (int64_t)UINT32_MAX, "race_sample: bad vocab size");
+    at::Tensor out = at::empty({rows}, keys.options());
+    const float *pp = probs.data_ptr<float>();
+    const int64_t *kp = keys.data_ptr<int64_t>();
+    int64_t *op = out.data_ptr<int64_t>();
+    at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
+        alignas(64) float ratio[RACE_CHUNK];
+        for (int64_t i = begin; i < end; i++) {
+            const float *p = pp + i * stride;
+            const uint64_t key = (uint64_t)kp[i];
+            const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+            float best = -1.f;
+            int64_t winner = 0;
+            for (int64_t c = 0; c < vocab; c += RACE_CHUNK) {
+                const int64_t n = std::min(RACE_CHUNK, vocab - c);
+                for (int64_t j = 0; j < n; j++)  /* vectorized: no dependence between j */
+                    ratio[j] = p[c + j] / -log_positive(race_uniform((uint32_t)(c + j), k0, k1));
+                float top = -1.f;
+                for (int64_t j = 0; j < n; j++) top = std::max(top, ratio[j]);
+                if (top > best) {  /* the first j that reaches it: argmax's first index */
+                    int64_t j = 0;
+                    while (ratio[j] != top) j++;
+                    best = top;
+                    winner = c + j;
+                }
+            }
+            op[i] = winner;
+        }
+    });
+    return out;
+}
+
 }  // namespace
 
 /* The operators' schemas (what torch.compile and the dispatcher see); their shape functions for
@@ -619,6 +713,7 @@ TORCH_LIBRARY(minivllm_cpu, m) {
     m.def("few_rows_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
     m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) "
           "-> (Tensor, Tensor)");
+    m.def("race_sample(Tensor probs, Tensor keys) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
@@ -629,4 +724,5 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
     m.impl("pack_panels", &pack_panels);
     m.impl("few_rows_linear", &few_rows_linear);
     m.impl("rotary_embedding", &rotary_embedding);
+    m.impl("race_sample", &race_sample);
 }

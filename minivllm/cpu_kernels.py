@@ -10,7 +10,8 @@ RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding``
 (the model runner swaps them in on a CPU, as it swaps in Triton kernels on a GPU). vLLM's CPU
 backend likewise runs its attention and these ops in native code of its own. ``pack_panels``
 and ``few_rows_linear`` are the linear layers of a decode step's few rows (``model/cpu_gemm.py``
-says when they serve).
+says when they serve). ``race_sample`` is the sampler's exponential race in one pass per row
+(``sample/sampler.py``'s ``sample_race``).
 
 The C++ file registers them with torch's dispatcher (``TORCH_LIBRARY``) as
 ``torch.ops.minivllm_cpu.*``, and this module gives each a shape function for tracing
@@ -216,6 +217,7 @@ def _register_fakes() -> None:
     fake("rotary_embedding")(lambda positions, q, k, cos_sin_cache: (q.new_empty(q.shape),
                                                                      k.new_empty(k.shape)))
     fake("pack_panels")(lambda w: w.new_empty(((w.shape[0] + 15) // 16, w.shape[1], 16)))
+    fake("race_sample")(lambda probs, keys: keys.new_empty((probs.shape[0],)))
     fake("few_rows_linear")(lambda x, panels, bias, out_features: x.new_empty(
         (*x.shape[:-1], out_features)))
 
@@ -295,6 +297,12 @@ def few_rows_fit(x: torch.Tensor) -> bool:
     """Whether ``few_rows_linear`` can take ``x`` (or ``pack_panels`` a weight): float32 rows on
     a CPU with a contiguous last dim, no autograd (the library itself is ``library()``'s)."""
     return _plain(x) and _rows(x)
+
+
+def race_fits(probs: torch.Tensor) -> bool:
+    """Whether ``race_sample`` can take ``probs``: [rows, vocab] float32 on a CPU, no autograd,
+    a contiguous last dim."""
+    return enabled() and probs.dim() == 2 and _plain(probs) and probs.stride(-1) == 1
 
 
 # -- elementwise ops: layers.py's signatures; the torch code where the kernels cannot serve ---

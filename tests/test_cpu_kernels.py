@@ -12,6 +12,7 @@ import importlib
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -411,3 +412,59 @@ def test_a_fresh_process_builds_on_use_only_and_keeps_denormal_floats(ops):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-1500:]
+
+
+# -- the sampler's exponential race -----------------------------------------------------------
+
+def _hash32(x: np.ndarray) -> np.ndarray:
+    """race_sample's integer hash, in numpy (uint64 holding uint32 values)."""
+    mask = np.uint64(0xFFFFFFFF)
+    for shift, mul in ((17, 0xED5AD4BB), (11, 0xAC4C1B51), (15, 0x31848BAB)):
+        x = ((x ^ (x >> np.uint64(shift))) * np.uint64(mul)) & mask
+    return x ^ (x >> np.uint64(14))
+
+
+def _race_uniforms(key: int, vocab: int) -> np.ndarray:
+    """The u in (0, 1) that race_sample draws for a row with this key, in float64."""
+    key &= (1 << 64) - 1
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    h = _hash32((_hash32(np.arange(vocab, dtype=np.uint64) ^ k0) + k1) & np.uint64(0xFFFFFFFF))
+    return ((h >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0 ** -24
+
+
+def test_race_sample_is_the_argmax_of_p_over_its_noise(ops):
+    """Each row's token is argmax p / -log(u) for the u its key gives (recomputed here in
+    float64): the kernel's noise, its log and its argmax are what they say; rows of other
+    widths and strides too, and keys with the top bit set."""
+    gen = torch.Generator().manual_seed(5)
+    for rows, vocab in ((16, 49152), (3, 1000), (5, 7)):
+        probs = torch.softmax(torch.randn(rows, vocab + 3, generator=gen) * 3, -1)[:, :vocab]
+        keys = torch.empty(rows, dtype=torch.int64).random_(generator=gen)
+        keys[0] = -(2**63) + 12345
+        got = ops.race_sample(probs, keys).tolist()
+        for i in range(rows):
+            u = _race_uniforms(int(keys[i]), vocab)
+            assert 0 < u.min() and u.max() < 1
+            assert got[i] == int(np.argmax(probs[i].double().numpy() / -np.log(u)))
+
+
+def test_race_sample_draws_each_token_with_its_probability(ops):
+    """200,000 rows with independent keys: each token's frequency within 4 standard errors
+    of its probability, and a token of probability 0 never drawn."""
+    p = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625 - 1e-4, 1e-4, 0.0])
+    n = 200_000
+    keys = torch.empty(n, dtype=torch.int64).random_(generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(ops.race_sample(p.repeat(n, 1), keys), minlength=len(p)).double()
+    assert counts[-1] == 0
+    se = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((counts / n - p.double()).abs() <= 4 * se + 1e-12).all(), counts / n
+
+
+def test_race_sample_refuses_bad_input(ops):
+    probs = torch.full((2, 4), 0.25)
+    with pytest.raises(ValueError, match="keys"):
+        ops.race_sample(probs, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="keys"):
+        ops.race_sample(probs, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="probs"):
+        ops.race_sample(probs[:, ::2], torch.zeros(2, dtype=torch.int64))

@@ -8,6 +8,14 @@ from minivllm import LLM, SamplingParams
 from minivllm.sample.sampler import Sampler, SamplingMetadata
 
 
+@pytest.fixture(params=["c", "torch"])
+def race_path(request, monkeypatch):
+    """The sampler tests twice: the C++ race (``race_sample``, a CPU's default) and the torch
+    one (``exponential_race``, a GPU's, and a CPU's with ``MINIVLLM_CPU_KERNELS=torch``)."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", request.param)
+    return request.param
+
+
 def _sample(logits_row, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
     logits = logits_row.repeat(n, 1)
     meta = SamplingMetadata(
@@ -37,12 +45,14 @@ LOGITS = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.usefixtures("race_path")
 def test_temperature_frequencies_follow_softmax(temperature):
     samples = _sample(LOGITS, 40_000, temperature=temperature)
     ok, stat, crit = _chi_square_ok(samples, torch.softmax(LOGITS / temperature, -1))
     assert ok, (stat, crit)
 
 
+@pytest.mark.usefixtures("race_path")
 def test_top_k_restricts_support_and_renormalises():
     samples = _sample(LOGITS, 40_000, top_k=5)
     top5 = set(LOGITS.topk(5).indices.tolist())
@@ -53,6 +63,7 @@ def test_top_k_restricts_support_and_renormalises():
     assert ok, (stat, crit)
 
 
+@pytest.mark.usefixtures("race_path")
 def test_top_p_restricts_support_to_nucleus():
     probs = torch.softmax(LOGITS, -1)
     sorted_p, order = probs.sort(descending=True)
@@ -67,10 +78,12 @@ def test_top_p_restricts_support_to_nucleus():
     assert ok, (stat, crit)
 
 
+@pytest.mark.usefixtures("race_path")
 def test_top_k_1_is_greedy():
     assert set(_sample(LOGITS, 500, top_k=1).tolist()) == {int(LOGITS.argmax())}
 
 
+@pytest.mark.usefixtures("race_path")
 def test_mixed_rows_greedy_and_random():
     logits = torch.stack([LOGITS, LOGITS])
     meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0]), all_greedy=False,
