@@ -91,6 +91,21 @@ CHEATS = [
                                                  meta.top_p)
                 return keep.argmax(-1)
         """, "apply_top_k_top_p"),
+    # 2.1: the race of the package's sampler on a CPU, its C++ kernel called directly
+    ("2.1", "check_sampler", "MySampler", """
+        import torch
+        from minivllm.sample.sampler import sample_race
+        class MySampler(torch.nn.Module):
+            def forward(self, logits, meta):
+                return sample_race(logits.softmax(-1), meta.generators, meta.generator)
+        """, "minivllm.sample.sampler.sample_race"),
+    ("2.1", "check_sampler", "MySampler", """
+        import torch
+        class MySampler(torch.nn.Module):
+            def forward(self, logits, meta):
+                keys = torch.randint(0, 2**62, (len(logits),), generator=meta.generator)
+                return torch.ops.minivllm_cpu.race_sample(logits.softmax(-1), keys)
+        """, "race_sample"),
     # 2.2 the generation loop: an import inside the function
     ("2.2", "check_cached_generation", "generate_with_cache", """
         def generate_with_cache(model, prompt_ids, n, block_size=16):

@@ -12,6 +12,7 @@ from minivllm.course.capstone import (
     KNOBS, TARGET_KEYS, chat_and_documents, config_problem, evaluate_goodput,
 )
 from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine, check_model_path
+from minivllm.course.checks.sampler import race_answer
 
 MAX_EVALUATIONS = 20
 TTFT_TARGETS_MS = (300.0, 400.0, 500.0, 600.0, 800.0)
@@ -123,6 +124,7 @@ def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -
 OWN_ENGINE_ANSWER = (
     "minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
     "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
+    "minivllm.sample.sampler:sample_race", "minivllm.sample.sampler:race_keys",
     "minivllm.core.scheduler:Scheduler.schedule", "minivllm.core.scheduler:Scheduler._try_admit",
     "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
     "minivllm.core.scheduler:Scheduler._preempt",
@@ -162,7 +164,7 @@ def _reference_engine_run():
 def check_own_engine(sampler_cls, scheduler_cls, block_pool_cls, exercise: str = "11.2") -> None:
     """An engine of the learner's sampler (2.1), scheduler (5.1) and block pool (6.2) serves a
     workload end to end; graded by behaviour against the package's engine."""
-    ex = Exercise(exercise, OWN_ENGINE_CONVENTION, OWN_ENGINE_ANSWER,
+    ex = Exercise(exercise, OWN_ENGINE_CONVENTION, race_answer(OWN_ENGINE_ANSWER),
                   allowed="the components you wrote in exercises 2.1, 5.1 and 6.2",
                   required=("schedule",))
     classes = dict(sampler_cls=ex.take(sampler_cls, "sampler"),

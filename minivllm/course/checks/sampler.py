@@ -24,7 +24,16 @@ CONVENTION = ("Expected, per row: greedy (argmax) when temperature < 1e-5; other
               "rest.")
 ANSWER = ("minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
           "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
-          "minivllm.course.checks.sampler:expected_probs")
+          "minivllm.sample.sampler:sample_race", "minivllm.sample.sampler:race_keys",
+          "minivllm.cpu_kernels:library", "minivllm.course.checks.sampler:expected_probs")
+
+
+def race_answer(answer: tuple[str, ...]) -> tuple[str, ...]:
+    """``answer`` and, where the CPU kernels load, their C++ race (``race_sample``)."""
+    from minivllm import cpu_kernels
+
+    loaded = cpu_kernels.library() is not None
+    return answer + (("torch:ops.minivllm_cpu.race_sample",) if loaded else ())
 ALLOWED = "torch (sort, cumsum, softmax, multinomial with meta.generator / meta.generators[row])"
 SETTINGS = [  # (temperature, top_k, top_p), one at a time
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.6), (0.8, 4, 0.6),
@@ -113,7 +122,7 @@ def _order_matters(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: bool = True) -> None:
     """``sampler_cls()`` must behave like ``minivllm.sample.sampler.Sampler``."""
-    ex = Exercise(exercise, CONVENTION, ANSWER, ALLOWED)
+    ex = Exercise(exercise, CONVENTION, race_answer(ANSWER), ALLOWED)
     sampler_cls = ex.take(sampler_cls, "sampler")
     g = torch.Generator().manual_seed(seed)
     sampler = sampler_cls()
