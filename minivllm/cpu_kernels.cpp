@@ -610,9 +610,10 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
  * tokens[i] = argmax_j probs[i, j] / q_ij with q_ij = -log(u_ij) ~ Exp(1) (sample/sampler.py's
  * exponential_race, where the u come from torch's generators). Here u_ij is a pure function of
  * the row's 64-bit key and j: a 32-bit integer hash of j under the key (three xorshift-multiply
- * rounds, the multipliers of a published low-bias search, keyed twice), whose top 24 bits pick
- * the midpoint of one of 2^24 equal cells of (0, 1), so u is never 0 or 1 and -log(u) is finite
- * and positive. Computing u where it is used costs no pass over memory and no serial generator;
+ * rounds, the multipliers of a published low-bias search, keyed twice), whose top 23 bits pick
+ * the midpoint of one of 2^23 equal cells of (0, 1). 23, not 24: a midpoint then needs 24
+ * significant bits, which a float holds exactly, so u is never 0 or 1 and -log(u) is finite and
+ * positive. Computing u where it is used costs no pass over memory and no serial generator;
  * a row's tokens depend on its key alone, not on the other rows. */
 
 static inline uint32_t hash32(uint32_t x) {
@@ -628,7 +629,7 @@ static inline uint32_t hash32(uint32_t x) {
 
 static inline float race_uniform(uint32_t j, uint32_t k0, uint32_t k1) {
     const uint32_t h = hash32(hash32(j ^ k0) + k1);
-    return ((float)(h >> 8) + 0.5f) * 5.9604644775390625e-8f; /* 2^-24 */
+    return ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-7f; /* 2^-23 */
 }
 
 /* log(x) for a normal float x > 0, branch-free so that its loop vectorizes: x = m 2^e with m in

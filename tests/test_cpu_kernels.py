@@ -425,11 +425,14 @@ def _hash32(x: np.ndarray) -> np.ndarray:
 
 
 def _race_uniforms(key: int, vocab: int) -> np.ndarray:
-    """The u in (0, 1) that race_sample draws for a row with this key, in float64."""
+    """The u in (0, 1) that race_sample draws for a row with this key: the midpoints of 2^23
+    cells, in float64, each exactly a float32 (which the kernel computes in)."""
     key &= (1 << 64) - 1
     k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
     h = _hash32((_hash32(np.arange(vocab, dtype=np.uint64) ^ k0) + k1) & np.uint64(0xFFFFFFFF))
-    return ((h >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0 ** -24
+    u = ((h >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0 ** -23
+    assert np.array_equal(u.astype(np.float32).astype(np.float64), u)
+    return u
 
 
 def test_race_sample_is_the_argmax_of_p_over_its_noise(ops):
@@ -444,7 +447,7 @@ def test_race_sample_is_the_argmax_of_p_over_its_noise(ops):
         got = ops.race_sample(probs, keys).tolist()
         for i in range(rows):
             u = _race_uniforms(int(keys[i]), vocab)
-            assert 0 < u.min() and u.max() < 1
+            assert 0 < u.min() and u.max() < 1 and np.float32(u.max()) < 1
             assert got[i] == int(np.argmax(probs[i].double().numpy() / -np.log(u)))
 
 
