@@ -104,7 +104,7 @@ def sample_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
     (``race_sample`` in ``cpu_kernels.cpp``: each row's noise from a hash of its key and the
     token's index, made where it is used, in one pass over the row: 0.7-0.9 ms for 16 rows of
     49,152 tokens where ``exponential_race``'s uniform_, log_, division and argmax took 6.3-7.1
-    ms, 2 threads, alternating in one process on a busy machine); elsewhere
+    ms, 2 threads, one after the other in one process on a busy machine); elsewhere
     ``exponential_race``. Both draw q ~ Exp(1) from the rows' generators, so a seeded request
     samples the same tokens in any batch; they draw different tokens for the same seed."""
     ops = cpu_kernels.library() if cpu_kernels.race_fits(probs) else None
