@@ -660,13 +660,12 @@ static inline float log_positive(float x) {
 constexpr int64_t RACE_CHUNK = 1024;
 
 at::Tensor race_sample(const at::Tensor &probs, const at::Tensor &keys) {
-    check_float_rows(probs, "race_sample", "probs");
-    TORCH_CHECK_VALUE(probs.dim() == 2 && probs.stride(1) == 1,
-                      "race_sample: probs must be [rows, vocab] with a contiguous last dim");
+    const int64_t stride = row_stride(probs, "race_sample", "probs");
+    TORCH_CHECK_VALUE(probs.dim() == 2, "race_sample: probs must be [rows, vocab]");
     TORCH_CHECK_VALUE(keys.device().is_cpu() && keys.scalar_type() == at::kLong &&
                       keys.dim() == 1 && keys.size(0) == probs.size(0) && keys.is_contiguous(),
                       "race_sample: keys must be a contiguous int64 [rows] on the CPU");
-    const int64_t rows = probs.size(0), vocab = probs.size(1), stride = probs.stride(0);
+    const int64_t rows = probs.size(0), vocab = probs.size(1);
     TORCH_CHECK_VALUE(vocab > 0 && vocab <= (int64_t)UINT32_MAX, "race_sample: bad vocab size");
     at::Tensor out = at::empty({rows}, keys.options());
     const float *pp = probs.data_ptr<float>();

@@ -302,7 +302,7 @@ def few_rows_fit(x: torch.Tensor) -> bool:
 def race_fits(probs: torch.Tensor) -> bool:
     """Whether ``race_sample`` can take ``probs``: [rows, vocab] float32 on a CPU, no autograd,
     a contiguous last dim."""
-    return enabled() and probs.dim() == 2 and _plain(probs) and probs.stride(-1) == 1
+    return enabled() and probs.dim() == 2 and _plain(probs) and _rows(probs)
 
 
 # -- elementwise ops: layers.py's signatures; the torch code where the kernels cannot serve ---
