@@ -12,7 +12,8 @@ from minivllm.course.capstone import (
     KNOBS, TARGET_KEYS, chat_and_documents, config_problem, evaluate_goodput,
 )
 from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine, check_model_path
-from minivllm.course.checks.sampler import race_answer
+from minivllm.course.checks.sampler import SAMPLER, race_answer
+from minivllm.course.checks.scheduler import V1_HELPERS
 
 MAX_EVALUATIONS = 20
 TTFT_TARGETS_MS = (300.0, 400.0, 500.0, 600.0, 800.0)
@@ -121,14 +122,7 @@ def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -
 
 # -- 11.2 ----------------------------------------------------------------------------------------
 
-OWN_ENGINE_ANSWER = (
-    "minivllm.sample.sampler:Sampler", "minivllm.sample.sampler:apply_top_k_top_p",
-    "minivllm.sample.sampler:apply_top_k", "minivllm.sample.sampler:exponential_race",
-    "minivllm.sample.sampler:sample_race", "minivllm.sample.sampler:race_keys",
-    "minivllm.core.scheduler:Scheduler.schedule", "minivllm.core.scheduler:Scheduler._try_admit",
-    "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
-    "minivllm.core.scheduler:Scheduler._preempt",
-    "minivllm.core.scheduler_v0:PhaseSeparatedScheduler", "minivllm.core.block_pool:BlockPool")
+OWN_ENGINE_ANSWER = SAMPLER + V1_HELPERS + ("minivllm.core.block_pool:BlockPool",)
 OWN_ENGINE_CONVENTION = (
     "Expected: LLM(model, sampler_cls=your sampler, scheduler_cls=your scheduler, "
     "block_pool_cls=your block pool) serves the workload: every greedy request gives the "

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionMetadata
-from minivllm.course.checks.common import Exercise, fail
+from minivllm.course.checks.common import Exercise
 
 BATCH_ANSWER = ("minivllm.worker.input_batch:InputBatch", "minivllm.worker.block_table:BlockTable")
 RUNNER_ANSWER = ("minivllm.worker.cuda_graphs:DecodeCudaGraphs",)
@@ -91,18 +91,18 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
 
     ex = Exercise(exercise, BATCH_CONVENTION, BATCH_ANSWER, "numpy")
     batch_cls = ex.take(batch_cls, "persistent batch")
-    max_model_len, rng = 64, np.random.default_rng(seed)
+    max_model_len, block_size, max_seqs, rng = 64, 4, 6, np.random.default_rng(seed)
     steps = preemptions = resumed = finished = unscheduled = 0
     prefixes = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24], []]
     for trace in range(num_traces):
         v0 = trace % 3 == 2  # v0 (chapter 04): a prefill step leaves every decode out
         budget = max_model_len if v0 else int(rng.choice([3, 8, 64]))
-        config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget,
+        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                  max_model_len=max_model_len,
                                  long_prefill_token_threshold=int(rng.choice([0, 5])))
-        kv = KVCacheManager(24, 4, enable_caching=bool(rng.integers(0, 2)))
+        kv = KVCacheManager(24, block_size, enable_caching=bool(rng.integers(0, 2)))
         scheduler = (PhaseSeparatedScheduler if v0 else Scheduler)(config, kv)
-        batch, added = batch_cls(6, max_model_len, max_model_len // 4), 0
+        batch, added = batch_cls(max_seqs, max_model_len, max_model_len // block_size), 0
         for op in _trace_ops(rng, int(rng.integers(8, 40))):
             if op[0] == "add":
                 prompt = prefixes[op[1]] + [30 + (added * 7 + i) % 90 for i in range(op[2])]
@@ -268,13 +268,13 @@ def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) 
                 out, expect_out):
             ex.fail(f"{what}: run returned {getattr(out, 'shape', type(out).__name__)}, expected "
                     f"the first {n} rows of what replay returned.")
-    steps = _graph_runner_in_engine(exercise, graph_runner_cls)
+    steps = _graph_runner_in_engine(ex, graph_runner_cls)
     ex.passed(f"your runner filled and padded the static buffers right on {len(ns)} batch sizes, "
               f"and the tiny Llama, its {steps} decode steps run padded through your runner, "
               "generates the tokens of the unpadded eager run.")
 
 
-def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> int:
+def _graph_runner_in_engine(ex: Exercise, graph_runner_cls) -> int:
     """The tiny Llama on Triton attention, its decode steps padded through the learner's runner,
     against the package's unpadded eager run (torch attention): the number of padded steps."""
     from minivllm import LLM
@@ -314,6 +314,6 @@ def _graph_runner_in_engine(exercise: str, graph_runner_cls) -> int:
     runner.cuda_graphs = Adapter()
     got = _greedy(llm)
     if not padded_steps:
-        fail(exercise, "no decode step went through your runner (the check itself is broken)")
-    _compare_in_engine(exercise, "graph runner (decodes padded through it)", got)
+        ex.fail("no decode step went through your runner (the check itself is broken)")
+    _compare_in_engine(ex.fail, "graph runner (decodes padded through it)", got)
     return len(padded_steps)

@@ -156,17 +156,17 @@ def _reference_tokens() -> tuple:
     return tuple(tuple(t) for t in _greedy(tiny_engine()))
 
 
-def _compare_in_engine(exercise: str, what: str, got: list[list[int]]) -> None:
+def _compare_in_engine(failed, what: str, got: list[list[int]]) -> None:
+    """``got`` against the tiny Llama's reference tokens; ``failed(message)`` raises."""
     expected = _reference_tokens()
     if len(got) != len(expected):
-        fail(exercise, f"with your {what} inside the engine, {len(got)} requests finished, "
-                       f"expected {len(expected)}")
+        failed(f"with your {what} inside the engine, {len(got)} requests finished, expected "
+               f"{len(expected)}")
     for i, (g, e) in enumerate(zip(got, expected)):
         first = first_difference(g, e)
         if first is not None:
-            fail(exercise, f"with your {what} inside the engine (tiny Llama, greedy), request "
-                           f"{i}'s output goes wrong at token {first}: expected {list(e)}, got "
-                           f"{list(g)}")
+            failed(f"with your {what} inside the engine (tiny Llama, greedy), request {i}'s "
+                   f"output goes wrong at token {first}: expected {list(e)}, got {list(g)}")
 
 
 def _in_engine(exercise: str, what: str, decode=None, norm=None) -> None:
@@ -187,7 +187,7 @@ def _in_engine(exercise: str, what: str, decode=None, norm=None) -> None:
     swapped = op_swapped(model, "rms_norm", lambda m: norm) if norm else nullcontext()
     with decodes_through(llm, decode and batched), swapped:
         got = _greedy(llm)
-    _compare_in_engine(exercise, what, got)
+    _compare_in_engine(functools.partial(fail, exercise), what, got)
 
 
 # -- Warm-up puzzles 9.1-9.3: a 2-D grid, a tiled reduction, tl.dot ------------------------------
