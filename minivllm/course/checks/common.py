@@ -32,9 +32,10 @@ def compare_tensors(
     atol: float,
     rtol: float,
     convention: str,
-    hint: str | None = None,
+    hint=None,
 ) -> None:
-    """Fail unless ``got`` is a tensor of ``expected``'s shape, dtype and values (to tolerance)."""
+    """Fail unless ``got`` is a tensor of ``expected``'s shape, dtype and values (to tolerance).
+    ``hint``: a string, or a function that gives one (or None), called only when values differ."""
     if not isinstance(got, torch.Tensor):
         fail(exercise, f"{what}: expected a torch.Tensor, got {type(got).__name__}. {convention}")
     if tuple(got.shape) != tuple(expected.shape):
@@ -51,6 +52,8 @@ def compare_tensors(
         msg = (f"{what}: at index {_at(index)} expected {e[index].item():.6g}, got "
                f"{g[index].item():.6g} ({int(bad.sum())} of {g.numel()} values differ by more than "
                f"atol={atol:g} + rtol={rtol:g}). {convention}")
+        if callable(hint):
+            hint = hint()
         if hint:
             msg += f" Hint: {hint}"
         fail(exercise, msg)
@@ -202,6 +205,13 @@ def greedy_token_ids(llm, prompts: list[str], max_tokens: int = 10) -> list[list
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()
     return [o.outputs[0].token_ids for o in outs]
+
+
+@functools.lru_cache(maxsize=1)
+def reference_token_ids() -> tuple[tuple[int, ...], ...]:
+    """The check engine's greedy tokens for ``ENGINE_PROMPTS`` with the package's own
+    components, computed once: what a grader's run with the learner's component must equal."""
+    return tuple(tuple(t) for t in greedy_token_ids(check_engine(), ENGINE_PROMPTS))
 
 
 def compare_generations(

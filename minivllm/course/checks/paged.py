@@ -12,7 +12,7 @@ import torch
 from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
     ENGINE_PROMPTS, Exercise, check_engine, close, compare_generations, decodes_through,
-    greedy_token_ids,
+    greedy_token_ids, reference_token_ids,
 )
 from minivllm.course.checks.model import TORCH_ATTENTION, gqa_mistakes
 from minivllm.worker.block_table import compute_slot_mapping as reference_slot_mapping
@@ -85,10 +85,10 @@ def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0)
                          "entries of block_table past it, hold other data).")]
             mistakes += [(lambda y, test=test: test(y[None]), text)
                          for test, text in gqa_mistakes(q[None], k, v, scale, causal=False)]
-            hint = ex.hint(got, mistakes)
             ex.compare_tensors(f"paged_attention({heads} query heads over {kv_heads} KV heads, "
                                f"d={d}, block_size={block_size}, seq_len={seq_len}, block_table="
-                               f"{table.tolist()})", got, attend(seq_len), 1e-4, 1e-4, hint)
+                               f"{table.tolist()})", got, attend(seq_len), 1e-4, 1e-4,
+                               mistakes=mistakes)
             cases += 1
     _in_engine(ex, "paged_attention", attention=paged_attention)
     ex.passed(f"paged_attention matches the reference on {cases} random block tables, and the "
@@ -97,8 +97,7 @@ def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0)
 
 def _in_engine(ex: Exercise, what: str, slot_mapping=None, attention=None) -> None:
     """The check engine's greedy tokens with the learner's slot mapping or decode attention."""
-    llm = check_engine()
-    expected = greedy_token_ids(llm, ENGINE_PROMPTS)
+    llm, expected = check_engine(), reference_token_ids()
 
     def decode(q, kv_cache, meta, scale):
         out = torch.empty_like(q)

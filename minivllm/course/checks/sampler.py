@@ -9,6 +9,7 @@ import torch
 
 from minivllm.course.checks.common import (
     ENGINE_PROMPTS, Exercise, check_engine, compare_generations, greedy_token_ids,
+    reference_token_ids,
 )
 from minivllm.sample.sampler import SamplingMetadata, apply_top_k_top_p
 from minivllm.testing import model_runner
@@ -179,7 +180,7 @@ def _check_in_engine(ex, sampler_cls) -> None:
 
     llm = check_engine()
     runner = model_runner(llm)
-    expected = greedy_token_ids(llm, ENGINE_PROMPTS)
+    expected = reference_token_ids()
     reference, runner.sampler = runner.sampler, sampler_cls()
     try:
         got = greedy_token_ids(llm, ENGINE_PROMPTS)
