@@ -194,9 +194,13 @@ class Exercise:
         return None
 
     def compare_tensors(self, what: str, got, expected, atol: float, rtol: float,
-                        hint: str | None = None) -> None:
+                        hint: str | None = None, mistakes=()) -> None:
+        """``common.compare_tensors`` with this exercise's convention; with ``mistakes`` (as
+        for ``hint``), their tests run only when the values differ, for the hint."""
         from minivllm.course.checks.common import compare_tensors
 
+        if mistakes:
+            hint = functools.partial(self.hint, got, mistakes)
         compare_tensors(self.number, what, got, expected, atol, rtol, self.convention, hint)
 
     def compare_lists(self, what: str, got: Sequence, expected: Sequence, show=repr) -> None:

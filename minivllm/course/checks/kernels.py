@@ -95,9 +95,9 @@ def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, 
     ex = Exercise(number, convention, package_answer(),
                   "torch and Triton (triton, triton.language)")
     try:
-        if piece is not None and _triton_fn(piece) is None:
-            ex.fail(f"expected your @triton.jit function, got {type(piece).__name__}")
         if piece is not None:
+            if _triton_fn(piece) is None:
+                ex.fail(f"expected your @triton.jit function, got {type(piece).__name__}")
             ex.inspect(piece)
         watched = _unwrapped(ex.take(launcher))
         with counting_runs(piece, launched) as count:
@@ -119,7 +119,7 @@ def _rows(rows, then=None):
         n = 0
         for n, (what, args, expected, tol, mistakes) in enumerate(rows(g), 1):
             got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-            ex.compare_tensors(what, got, expected, tol, tol, ex.hint(got, mistakes))
+            ex.compare_tensors(what, got, expected, tol, tol, mistakes=mistakes)
         if then is not None:
             then(fn)
         return n
@@ -275,11 +275,10 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
                 ex.fail(f"{what}: expected a tuple (out, new_residual), got {type(got).__name__}.")
             want_out, want_res = reference_rms_norm(x, weight, eps, residual)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            hint = ex.hint(got[0], [(lambda y: close(y, reference_rms_norm(x, weight, eps), tol,
-                                                     tol),
-                                     "out is the norm of x alone: normalise x + residual.")])
             ex.compare_tensors(f"{what}, new_residual", got[1], want_res, tol, tol)
-            ex.compare_tensors(f"{what}, out", got[0], want_out, tol, tol, hint)
+            ex.compare_tensors(f"{what}, out", got[0], want_out, tol, tol, mistakes=[
+                (lambda y: close(y, reference_rms_norm(x, weight, eps), tol, tol),
+                 "out is the norm of x alone: normalise x + residual.")])
 
         def norm(x, weight, eps, residual=None):  # every RMSNorm of the model, via the kernel
             if residual is None:
@@ -355,11 +354,11 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
             what = f"{rows} rows of {n} scores (spread {spread:g}) in tiles of {sizes}"
             ex.compare_tensors(f"{what}: the running max m", m, s.max(dim=1).values, 1e-6, 1e-6)
             got = acc / l[:, None]
-            hint = ex.hint(got, [(lambda y: spread > 1 and close(y, torch.softmax(s, 1) @ v),
-                                  "you used e**s; the scores are in base 2: use 2**s (exp2).")])
             ex.compare_tensors(f"{what}: acc / l after the last tile", got,
-                               torch.softmax(s * 0.6931471805599453, dim=1) @ v, 1e-4, 1e-4,
-                               hint)  # 2**s = e**(s ln 2)
+                               torch.softmax(s * 0.6931471805599453, dim=1) @ v,  # 2**s
+                               1e-4, 1e-4, mistakes=[  # = e**(s ln 2)
+                                   (lambda y: spread > 1 and close(y, torch.softmax(s, 1) @ v),
+                                    "you used e**s; the scores are in base 2: use 2**s (exp2).")])
         _in_engine(exercise, "online_softmax_update (a torch decode attention folding tiles of 8 "
                              "keys)", _tiled_torch_decode(ex, fn))
         return len(cases)

@@ -112,11 +112,11 @@ def check_rms_norm(rms_norm, exercise: str = "1.1", seed: int = 0) -> None:
         got = rms_norm(x.clone(), ref.weight.detach().clone(), eps)
         xf = x.float()
         no_eps = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True)) * ref.weight.float()).to(dtype)
-        hint = ex.hint(got, [(lambda y: close(y, no_eps, 1e-3, 1e-3), "the result matches x / "
-                              "rms(x) * weight without eps: add eps inside the sqrt.")])
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         ex.compare_tensors(f"rms_norm(x of shape {shape}, {dtype}, eps={eps:g})", got,
-                           ref(x).detach(), tol, tol, hint)
+                           ref(x).detach(), tol, tol, mistakes=[
+                               (lambda y: close(y, no_eps, 1e-3, 1e-3), "the result matches x / "
+                                "rms(x) * weight without eps: add eps inside the sqrt.")])
 
     def op(x, weight, eps, residual=None):  # RMSNorm.op: with a residual, norm(x + residual)
         return rms_norm(x, weight, eps) if residual is None else (
@@ -151,15 +151,16 @@ def check_rotary(apply_rotary, exercise: str = "1.2", seed: int = 0) -> None:
         x = torch.randn(len(positions), heads, head_dim, generator=g)
         ref = RotaryEmbedding(head_dim, 1024, base)
         got = apply_rotary(x.clone(), positions.clone(), base)
-        hint = ex.hint(got, [
+        mistakes = [
             (lambda y: close(y, _rope_interleaved(x, positions, base), 2e-3, 1e-3),
              "you rotated adjacent pairs (x[2i], x[2i+1]); Llama checkpoints pair x[i] with "
              "x[i + head_dim/2] (the first half with the second)."),
             (lambda y: close(y, ref(torch.arange(len(positions)), x, x)[0], 2e-3, 1e-3),
              "you rotated token t by t; rotate it by positions[t] (tokens of several sequences "
-             "share a batch, each at its own position).")])
+             "share a batch, each at its own position).")]
         ex.compare_tensors(f"apply_rotary(head_dim={head_dim}, heads={heads}, base={base:g}, "
-                           f"positions {label})", got, ref(positions, x, x)[0], 2e-3, 1e-3, hint)
+                           f"positions {label})", got, ref(positions, x, x)[0], 2e-3, 1e-3,
+                           mistakes=mistakes)
     _in_smollm(ex, "apply_rotary", lambda model: op_swapped(
         model, "rotary_embedding", lambda r: lambda positions, q, k, cos_sin: (
             apply_rotary(q, positions, r.base), apply_rotary(k, positions, r.base))))
@@ -204,7 +205,7 @@ def check_gqa_attention(gqa_attention, exercise: str = "1.3", seed: int = 0) -> 
         ex.compare_tensors(f"gqa_attention({tokens} tokens, {heads} query heads over {kv_heads} "
                            f"KV heads, d={d}, scale={scale:.3g})", got,
                            reference_gqa_attention(q, k, v, scale), 1e-4, 1e-4,
-                           ex.hint(got, gqa_mistakes(q, k, v, scale)))
+                           mistakes=gqa_mistakes(q, k, v, scale))
     _in_smollm(ex, "gqa_attention (9 query heads over 3 KV heads)",
                backend=WholePromptBackend(gqa_attention))
     ex.passed(f"gqa_attention matches torch's scaled_dot_product_attention on {len(cases)} random "

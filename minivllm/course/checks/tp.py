@@ -16,7 +16,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 
-from minivllm.course.checks.common import Delegated, Exercise, close
+from minivllm.course.checks.common import Delegated, Exercise, close, write_tiny_checkpoint
 
 ROW_CONVENTION = (
     "Expected (row-parallel, Megatron-style): W [out, in] is split along its input dimension; "
@@ -165,7 +165,7 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
         for rank, r in enumerate(results):
             partial = x[:, rank * n:(rank + 1) * n] @ w[:, rank * n:(rank + 1) * n].T
             bias = b if b is not None else 0
-            hint = ex.hint(r["cases"][i]["y"], [
+            mistakes = [
                 (lambda y: close(y, partial, 1e-5, 1e-5) or close(y, partial + bias, 1e-5, 1e-5),
                  f"rank {rank} returned only its own partial product x_r @ W_r.T: the partial "
                  "sums were never added up. Call torch.distributed.all_reduce on it before "
@@ -175,9 +175,9 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
                  f"before the all-reduce, which then summed it {ROW_TP} times. Add it once."),
                 (lambda y: b is not None and close(y, expected - b, 1e-5, 1e-5),
                  f"rank {rank}'s output lacks the bias."),
-            ])
+            ]
             ex.compare_tensors(f"{what}, rank {rank}'s output", r["cases"][i]["y"], expected,
-                               1e-5, 1e-5, hint=hint)
+                               1e-5, 1e-5, mistakes=mistakes)
     ex.passed(f"on {ROW_TP} gloo ranks, your row-parallel layer gave every rank x @ W.T + b "
               f"of the whole layer in {len(cases)} random cases "
               f"({sum(c[2] is not None for c in cases)} with a bias).")
@@ -291,8 +291,6 @@ def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None
     """``shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank)`` -> this rank's
     ``(q, k, v)``, slices of dim 0: on random weights and biases, then in a tiny Llama."""
     from safetensors import safe_open
-
-    from minivllm.course.checks.common import write_tiny_checkpoint
 
     ex = Exercise(exercise, QKV_CONVENTION, QKV_ANSWER, allowed="tensor slicing")
     shard_qkv = ex.take(shard_qkv, "shard_qkv")
