@@ -269,7 +269,7 @@ def _where(ex: Exercise, where: str):
         yield
     except CheckFailed as e:
         prefix = f"Exercise {ex.number}: "
-        raise CheckFailed(prefix + where + ": " + str(e).removeprefix(prefix)) from None
+        raise type(e)(prefix + where + ": " + str(e).removeprefix(prefix)) from None
 
 
 def _ids(blocks) -> list[int]:
