@@ -1,4 +1,4 @@
-/* minivllm's CPU kernels, float32: paged decode attention, the elementwise ops of a decoder
+/* minivllm's CPU kernels, float32: paged decode and prefill attention, the elementwise ops of a decoder
  * layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul) and the linear layers of
  * a decode step's few rows (model/cpu_gemm.py uses them) and the sampler's exponential race
  * (sample/sampler.py), registered as torch
@@ -605,6 +605,260 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
     return y;
 }
 
+/* ---- prefill attention: each sequence's new tokens over their paged context ----
+ *
+ * out[t] for the new tokens of a step's prefill chunks: sequence s's queries are tokens
+ * query_start_loc[s] .. query_start_loc[s + 1] of q, at positions seq_len - query_len onward,
+ * and the query at position p attends to keys 0..p (p - window < key with a window), read
+ * straight from the cache's blocks, the new tokens' included (written before the call). The
+ * work is cut into items of one sequence, one KV head and 16 consecutive queries. An item
+ * packs each query head's 16 queries into a [head_dim, 16] panel once, then walks the keys its
+ * queries can see in chunks of up to 16 tokens (never across a block): each chunk's scores are
+ * the linear layers' tile (panel_rows) with the chunk's key rows, read in place, as the rows
+ * and the query panel as the weights, so a score row holds one key against the 16 queries and
+ * the online softmax (a running max and sum per query, FlashAttention's scheme) runs down the
+ * columns eight queries to a vector; the chunk's value rows, read in place too, are then added
+ * into the item's outputs with their weights. Nothing is gathered, padded or transposed but the
+ * queries; keys past an item's last query are never read, and the causal mask costs work only
+ * in the chunks it cuts; the threads split the items by their (query, key) pairs. Against
+ * torch's gather and scaled_dot_product_attention (2 threads, 9 heads over 3 KV heads, head_dim
+ * 64, best of ten, one run): two 256-token chunks, one after 256 cached tokens, 2.5 ms against
+ * 4.8 (about 120 GFLOP/s against 63); one fresh 512-token chunk 2.6 against 4.8; one fresh
+ * 256-token chunk 0.63 against 1.62. */
+
+constexpr int64_t QUERY_TILE = PANEL, KEY_CHUNK = 16;
+typedef int32_t veci8 __attribute__((vector_size(32)));
+
+/* exp_nonpositive, eight lanes at once */
+static inline __attribute__((always_inline)) vec8 exp8(vec8 x) {
+    x = x < -87.f ? vec8{} - 87.f : x;
+    const vec8 t = x * 1.44269504088896341f + 0.5f;
+    vec8 k = __builtin_convertvector(__builtin_convertvector(t, veci8), vec8);
+    k = k > t ? k - 1.f : k;  /* floor (the conversion truncates toward zero) */
+    const vec8 r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vec8 p = vec8{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vec8 y = p * r * r + r + 1.f;
+    return y * (vec8)((__builtin_convertvector(k, veci8) + 127) << 23);  /* 2^k */
+}
+
+/* o[r] = o[r] * alpha[r] + sum_c p[c * QUERY_TILE + r] v_c for R rows of D (a multiple of 16)
+ * floats, over `tokens` value rows v_c = v + c * v_stride */
+template <int R>
+static inline __attribute__((always_inline)) void pv_tile(
+        const float *p, const float *alpha, const float *v, int64_t v_stride, int64_t tokens,
+        float *o, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        vec8 lo[R], hi[R];
+        for (int r = 0; r < R; r++) {
+            const vec8 a = vec8{} + alpha[r];
+            lo[r] = load8(o + r * D + d0) * a;
+            hi[r] = load8(o + r * D + d0 + 8) * a;
+        }
+        for (int64_t c = 0; c < tokens; c++) {
+            vec8 w0 = load8(v + c * v_stride + d0), w1 = load8(v + c * v_stride + d0 + 8);
+#ifdef __AVX__
+            asm("" : "+x"(w0), "+x"(w1));
+#endif
+            for (int r = 0; r < R; r++) {
+                const vec8 pr = vec8{} + p[c * QUERY_TILE + r];
+                lo[r] += pr * w0;
+                hi[r] += pr * w1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            *(vec8_unaligned *)(o + r * D + d0) = lo[r];
+            *(vec8_unaligned *)(o + r * D + d0 + 8) = hi[r];
+        }
+    }
+}
+
+template <int R>
+static void pv_rows(const float *p, const float *alpha, const float *v, int64_t v_stride,
+                    int64_t tokens, float *o, int64_t D, int64_t M) {
+    if constexpr (R > 1) {
+        if (M < R) return pv_rows<R - 1>(p, alpha, v, v_stride, tokens, o, D, M);
+    }
+    pv_tile<R>(p, alpha, v, v_stride, tokens, o, D);
+}
+
+struct Prefill {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *tables, *lens, *qsl;
+    int64_t bt_stride, bt_cols, q_stride, out_stride;
+    int64_t heads, kv_heads, D, block_size, num_blocks, window;
+    float scale;
+};
+
+struct PrefillItem {
+    int64_t seq, kv_head, first;  /* first: the item's first query, counted in its sequence */
+};
+
+/* the first key the query at position p sees */
+static inline int64_t first_key(int64_t p, int64_t window) {
+    return (window > 0 && p + 1 > window) ? p + 1 - window : 0;
+}
+
+/* floats of an item's buffer: per query head its query panel, outputs, running max and sum;
+ * the chunk's scores; the queries' positions and first keys */
+static inline int64_t prefill_work(int64_t G, int64_t D) {
+    return G * QUERY_TILE * (2 * D + 2) + KEY_CHUNK * QUERY_TILE + 3 * QUERY_TILE;
+}
+
+/* one item (see above). Returns 0, or 2 for a block id outside the cache. */
+static int prefill_item(const Prefill &a, const PrefillItem &it, float *work) {
+    constexpr int64_t Q = QUERY_TILE;
+    const int64_t G = a.heads / a.kv_heads, D = a.D, bs = a.block_size, row = a.kv_heads * D;
+    const int64_t s = it.seq, h = it.kv_head, qlen = a.qsl[s + 1] - a.qsl[s];
+    const int64_t pos0 = a.lens[s] - qlen + it.first, M = std::min(Q, qlen - it.first);
+    const int64_t lo = first_key(pos0, a.window), hi = pos0 + M;  /* the keys [lo, hi) */
+    const int32_t *table = a.tables + s * a.bt_stride;
+    float *Qp = work, *O = Qp + G * D * Q, *m = O + G * Q * D, *l = m + G * Q;
+    float *S = l + G * Q, *alpha = S + KEY_CHUNK * Q, *pos = alpha + Q, *first = pos + Q;
+    const float *qt = a.q + (a.qsl[s] + it.first) * a.q_stride;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t r = 0; r < Q; r++)
+                Qp[(g * D + d) * Q + r] = r < M ? qt[r * a.q_stride + (h * G + g) * D + d] : 0.f;
+    std::fill(O, O + G * Q * D, 0.f);
+    std::fill(m, m + G * Q, -1e30f);  /* below any score; finite, so m - max is never NaN */
+    std::fill(l, l + G * Q, 0.f);
+    for (int64_t r = 0; r < Q; r++) {  /* positions past the tile's queries see no key */
+        pos[r] = r < M ? (float)(pos0 + r) : -1.f;
+        first[r] = (float)first_key(pos0 + r, a.window);
+    }
+    const int64_t last_first = first_key(pos0 + M - 1, a.window);
+    for (int64_t c0 = lo; c0 < hi;) {
+        const int64_t b = c0 / bs, c1 = std::min({c0 + KEY_CHUNK, (b + 1) * bs, hi}), n = c1 - c0;
+        if (b >= a.bt_cols || table[b] < 0 || table[b] >= a.num_blocks) return 2;
+        const int64_t at = ((int64_t)table[b] * bs + c0 - b * bs) * row + h * D;
+        const float *keys = a.k + at, *values = a.v + at;
+        /* does some query of the tile miss some key of the chunk? */
+        const bool masked = c1 - 1 > pos0 || last_first > c0 || M < Q;
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t k0 = 0; k0 < n; k0 += TILE_ROWS)  /* S[c, r] = k_c . q_r */
+                panel_rows<TILE_ROWS>(keys + k0 * row, row, std::min<int64_t>(TILE_ROWS, n - k0),
+                                      Qp + g * D * Q, D, nullptr, S + k0 * Q, Q, Q, false);
+            float *mg = m + g * Q, *lg = l + g * Q;
+            for (int64_t half = 0; half < Q; half += 8) {
+                const vec8 P = load8(pos + half), F = load8(first + half), old = load8(mg + half);
+                vec8 top = old, sum = vec8{};
+                for (int64_t c = 0; c < n; c++) {
+                    vec8 x = load8(S + c * Q + half) * a.scale;
+                    if (masked) {
+                        const vec8 key = vec8{} + (float)(c0 + c);
+                        x = (key <= P) & (key >= F) ? x : vec8{} - 1e30f;
+                    }
+                    *(vec8_unaligned *)(S + c * Q + half) = x;
+                    top = x > top ? x : top;
+                }
+                for (int64_t c = 0; c < n; c++) {
+                    vec8 e = exp8(load8(S + c * Q + half) - top);
+                    if (masked) {
+                        const vec8 key = vec8{} + (float)(c0 + c);
+                        e = (key <= P) & (key >= F) ? e : vec8{};
+                    }
+                    *(vec8_unaligned *)(S + c * Q + half) = e;
+                    sum += e;
+                }
+                const vec8 scale_old = exp8(old - top);
+                *(vec8_unaligned *)(alpha + half) = scale_old;
+                *(vec8_unaligned *)(lg + half) = load8(lg + half) * scale_old + sum;
+                *(vec8_unaligned *)(mg + half) = top;
+            }
+            for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS)
+                pv_rows<TILE_ROWS>(S + r0, alpha + r0, values, row, n, O + (g * Q + r0) * D, D,
+                                   std::min<int64_t>(TILE_ROWS, M - r0));
+        }
+        c0 = c1;
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t r = 0; r < M; r++) {
+            const float inv = 1.f / l[g * Q + r], *o = O + (g * Q + r) * D;
+            float *dst = a.out + (a.qsl[s] + it.first + r) * a.out_stride + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+        }
+    return 0;
+}
+
+/* out[t] for every token t of the sequences' new queries (see above): q and out [tokens,
+ * heads, head_dim] with heads side by side, head_dim a multiple of 16; query_start_loc [n + 1],
+ * seq_lens [n] and block_tables [n, cols] int32 on the CPU. `parts` <= 0: torch's thread count.
+ * Bad input raises ValueError (out may then be partly written). */
+void paged_prefill(const at::Tensor &q, const at::Tensor &kv_cache,
+                   const at::Tensor &block_tables, const at::Tensor &seq_lens,
+                   const at::Tensor &query_start_loc, double scale, const at::Tensor &out,
+                   int64_t window, int64_t parts) {
+    const char *op = "paged_prefill";
+    check_float_rows(q, op, "q");
+    check_float_rows(out, op, "out");
+    check_float_rows(kv_cache, op, "kv_cache");
+    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(out) &&
+                      out.sizes() == q.sizes(),
+                      "paged_prefill: q and out must be float32 rows of [heads, head_dim]");
+    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                      kv_cache.size(4) == q.size(2),
+                      "paged_prefill: kv_cache must be a contiguous [2, blocks, block_size, "
+                      "kv_heads, head_dim] of q's head_dim");
+    const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = kv_cache.size(3);
+    TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0 && D >= 16 && D % 16 == 0,
+                      "paged_prefill: heads must be a multiple of KV heads and head_dim of 16");
+    for (const at::Tensor *t : {&block_tables, &seq_lens, &query_start_loc})
+        TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->device().is_cpu() &&
+                          t->stride(-1) == 1 && t->dim() == (t == &block_tables ? 2 : 1),
+                          "paged_prefill: block_tables, seq_lens and query_start_loc must be "
+                          "int32 CPU rows");
+    const int64_t n = seq_lens.size(0);
+    TORCH_CHECK_VALUE(query_start_loc.size(0) == n + 1 && block_tables.size(0) >= n,
+                      "paged_prefill: query_start_loc must have one more entry than seq_lens, "
+                      "and block_tables a row per sequence");
+    const int32_t *qsl = query_start_loc.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+    const int64_t G = heads / kv_heads;
+    std::vector<PrefillItem> items;
+    std::vector<int64_t> cost;  /* cumulative (query, key) pairs */
+    int64_t total = 0;
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t qlen = (int64_t)qsl[s + 1] - qsl[s], len = lens[s];
+        TORCH_CHECK_VALUE(qsl[s] >= 0 && qlen >= 0 && qsl[s + 1] <= T && qlen <= len,
+                          "paged_prefill: query_start_loc must rise within q, and a sequence's "
+                          "new tokens fit in its length");
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t j = 0; j < qlen; j += QUERY_TILE) {
+                const int64_t p = len - qlen + j, rows = std::min<int64_t>(QUERY_TILE, qlen - j);
+                items.push_back({s, h, j});
+                total += rows * (p + rows - first_key(p, window));
+                cost.push_back(total);
+            }
+    }
+    if (items.empty()) return;
+    const Prefill a{q.data_ptr<float>(), kv_cache.data_ptr<float>(),
+                    kv_cache.data_ptr<float>() + kv_cache.stride(0), out.data_ptr<float>(),
+                    block_tables.data_ptr<int32_t>(), lens, qsl, block_tables.stride(0),
+                    block_tables.size(1), q.stride(0), out.stride(0), heads, kv_heads, D,
+                    kv_cache.size(2), kv_cache.size(1), window, (float)scale};
+    if (parts < 1) parts = at::get_num_threads();
+    parts = std::min<int64_t>(parts, (int64_t)items.size());
+    std::vector<int64_t> bounds(parts + 1, 0);  /* parts of about equal cost */
+    for (int64_t i = 1; i <= parts; i++)
+        bounds[i] = i == parts ? (int64_t)items.size() :
+            std::lower_bound(cost.begin(), cost.end(), total * i / parts) - cost.begin() + 1;
+    const int64_t work_floats = prefill_work(G, D);
+    std::atomic<int> status{0};
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+        std::unique_ptr<float[]> work(new (std::nothrow) float[work_floats]);
+        if (!work) { status = 3; return; }
+        for (int64_t part = begin; part < end; part++)
+            for (int64_t i = bounds[part]; i < bounds[part + 1] && !status; i++)
+                if (int e = prefill_item(a, items[i], work.get())) status = e;
+    });
+    TORCH_CHECK_VALUE(status == 0, "paged_prefill: ", DECODE_ERRORS[status]);
+}
+
 /* ---- sampling: the exponential race, noise and argmax in one pass over each row ----
  *
  * tokens[i] = argmax_j probs[i, j] / q_ij with q_ij = -log(u_ij) ~ Exp(1) (sample/sampler.py's
@@ -714,6 +968,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
     m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) "
           "-> (Tensor, Tensor)");
     m.def("race_sample(Tensor probs, Tensor keys) -> Tensor");
+    m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+          "Tensor query_start_loc, float scale, Tensor(a!) out, int window, int parts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
@@ -725,4 +981,5 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
     m.impl("few_rows_linear", &few_rows_linear);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("race_sample", &race_sample);
+    m.impl("paged_prefill", &paged_prefill);
 }

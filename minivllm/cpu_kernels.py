@@ -4,7 +4,9 @@ Plain torch has no paged attention for a CPU: the torch backend gathers each dec
 keys, multiplies them with one batched matmul and sums the values with ``F.embedding_bag``
 (``attend_decodes_by_rows``), several passes over memory per layer. ``paged_decode`` reads each
 context token's K and V rows once, straight from their blocks, with no padding and no copy, on
-torch's threads. And a decoder layer's elementwise blocks are many small torch ops each (an
+torch's threads; ``paged_prefill`` does the same for a step's prefill chunks (causal among
+their new tokens, over everything before them), where torch would gather each chunk's context
+and call ``scaled_dot_product_attention`` on it. And a decoder layer's elementwise blocks are many small torch ops each (an
 RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding`` and
 ``silu_and_mul`` here are one call each, with the signatures of ``model/layers.py``'s functions
 (the model runner swaps them in on a CPU, as it swaps in Triton kernels on a GPU). vLLM's CPU
@@ -217,6 +219,8 @@ def _register_fakes() -> None:
     fake("rotary_embedding")(lambda positions, q, k, cos_sin_cache: (q.new_empty(q.shape),
                                                                      k.new_empty(k.shape)))
     fake("pack_panels")(lambda w: w.new_empty(((w.shape[0] + 15) // 16, w.shape[1], 16)))
+    fake("paged_prefill")(lambda q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                          out, window, parts: None)
     fake("race_sample")(lambda probs, keys: keys.new_empty((probs.shape[0],)))
     fake("few_rows_linear")(lambda x, panels, bias, out_features: x.new_empty(
         (*x.shape[:-1], out_features)))
@@ -290,6 +294,30 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     fn(q, kv_cache, tables, lens, scale, out, sliding_window or 0, num_threads or 0)
+    return True
+
+
+def _int32_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 and x.stride(-1) == 1 else x.int().contiguous()
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                  out: torch.Tensor, sliding_window: int | None = None,
+                  num_threads: int | None = None) -> bool:
+    """Causal attention of each sequence's new tokens (``q[query_start_loc[i]:
+    query_start_loc[i + 1]]``, the last of its ``seq_lens[i]`` tokens, already written to the
+    cache) over its context, written into the same rows of ``out``. Returns False (nothing
+    written) when the kernel is not available or the head size is not a multiple of 16; raises
+    ``ValueError`` on bad input (then ``out`` may be partly written)."""
+    ops = library()
+    if ops is None or q.shape[-1] % 16 or not _heads_side_by_side(out):
+        return False
+    if seq_lens.shape[0] == 0:
+        return True
+    ops.paged_prefill.default(q, kv_cache, _int32_rows(block_tables), _int32_rows(seq_lens),
+                              _int32_rows(query_start_loc), scale, out, sliding_window or 0,
+                              num_threads or 0)
     return True
 
 

@@ -1,7 +1,7 @@
-"""The CPU kernels (``minivllm/cpu_kernels.cpp``, torch operators): decode attention against
-attention written out densely (head dims it specializes, 64 and 128, and others; grouped-query
-ratios, block sizes, sliding windows, one thread and several), bad block tables refused without a
-crash; the elementwise ops against ``model/layers.py``'s torch functions, on shapes small and
+"""The CPU kernels (``minivllm/cpu_kernels.cpp``, torch operators): decode and prefill attention
+against attention written out densely (head dims they specialize or take, grouped-query ratios,
+block sizes, sliding windows, chunks after a cached context, one thread and several), bad block
+tables refused without a crash; the elementwise ops against ``model/layers.py``'s torch functions, on shapes small and
 large enough to be split between threads; torch.compile tracing them; one OpenMP runtime in the
 process; the build (with a stand-in compiler: cached by compiler version and flags, built once by
 processes that ask at once, its first error shown, a launcher in $CXX); without a compiler the
@@ -92,6 +92,92 @@ def test_kernel_refuses_bad_input(ops, case):
     run_kernel(q, cache, table2, [8, 8], 0.25)
 
 
+def run_prefill(q, cache, table, query_lens, seq_lens, scale, window=None, num_threads=None):
+    out = torch.full_like(q, float("nan"))
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    assert cpu_kernels.paged_prefill(q, cache, table, torch.tensor(seq_lens, dtype=torch.int32),
+                                     qsl, scale, out, window, num_threads=num_threads)
+    return out
+
+
+# query lengths: one token, a chunk after a cached context, an empty one, several 16-query
+# tiles (the last one partial), a chunk ending mid-block
+PREFILL_CASE = ([1, 5, 0, 40, 17, 16], [1, 37, 9, 40, 60, 16])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 16])
+@pytest.mark.parametrize("kv_heads,heads_per_kv", [(1, 1), (3, 3), (2, 7)])
+@pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (1, 5), (32, 20)])
+def test_prefill_kernel_equals_dense_attention(ops, head_dim, kv_heads, heads_per_kv,
+                                               block_size, window):
+    gen = torch.Generator().manual_seed(head_dim + kv_heads * 10 + block_size)
+    query_lens, seq_lens = PREFILL_CASE
+    cache, table = paged_case(gen, seq_lens, kv_heads, head_dim, block_size)
+    q = torch.randn(sum(query_lens), kv_heads * heads_per_kv, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    for threads in (1, 3):
+        out = run_prefill(q, cache, table, query_lens, seq_lens, scale, window, threads)
+        lo = 0
+        for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
+            keys, values = context(cache, table, i, n)
+            torch.testing.assert_close(out[lo:lo + ql], dense(
+                q[lo:lo + ql], keys, values, list(range(n - ql, n)), scale, window))
+            lo += ql
+
+
+def test_prefill_kernel_softmax_over_large_score_gaps(ops):
+    """Scores far apart, and the largest in a later chunk than the first: the running maximum
+    rescales what came before, with no inf or NaN."""
+    gen = torch.Generator().manual_seed(1)
+    cache, table = paged_case(gen, [40], 1, 16, 4)
+    q = torch.randn(20, 2, 16, generator=gen) * 40
+    out = run_prefill(q, cache, table, [20], [40], 1.0)
+    keys, values = context(cache, table, 0, 40)
+    # scores of hundreds: a float32 score's last bit, summed in another order, moves its
+    # weight by about 1e-5
+    torch.testing.assert_close(out, dense(q, keys, values, list(range(20, 40)), 1.0),
+                               atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", ["block id past the cache", "negative block id",
+                                  "context longer than its table", "more queries than tokens",
+                                  "queries past q"])
+def test_prefill_kernel_refuses_bad_input(ops, case):
+    gen = torch.Generator().manual_seed(2)
+    cache, table = paged_case(gen, [8, 8], 2, 16, 4)
+    query_lens, lens = [3, 8], [8, 8]
+    if case == "block id past the cache":
+        table[1, 1] = cache.shape[1]
+    elif case == "negative block id":
+        table[0, 1] = -1
+    elif case == "context longer than its table":
+        lens = [8, 4 * table.shape[1] + 1]
+    elif case == "more queries than tokens":
+        lens = [2, 8]
+    q = torch.randn(10 if case == "queries past q" else 11, 4, 16, generator=gen)
+    if case == "queries past q":
+        q = q[:10]
+    with pytest.raises(ValueError, match="paged_prefill"):
+        out = torch.empty_like(q)
+        qsl = torch.tensor([0, 3, 11], dtype=torch.int32)
+        ops.paged_prefill(q, cache, table, torch.tensor(lens, dtype=torch.int32), qsl, 0.25,
+                          out, 0, 0)
+    # and the kernel still works afterwards
+    table2 = paged_case(gen, [8, 8], 2, 16, 4)[1]
+    run_prefill(torch.randn(11, 4, 16, generator=gen), cache, table2, query_lens, [8, 8], 0.25)
+
+
+def test_prefill_kernel_leaves_other_head_sizes_to_torch(ops):
+    gen = torch.Generator().manual_seed(3)
+    cache, table = paged_case(gen, [6], 1, 20, 4)
+    q = torch.randn(6, 2, 20, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    assert not cpu_kernels.paged_prefill(q, cache, table, torch.tensor([6]),
+                                         torch.tensor([0, 6]), 0.3, out)
+    assert out.isnan().all()
+
+
 def _decode_step(q, cache, table, seq_lens, scale=0.3):
     """The backend's forward for a step of decodes only, whose new K/V are the ones already in
     the cache at the last positions (so the write leaves the cache as it was)."""
@@ -118,22 +204,26 @@ def _reference(q, cache, table, seq_lens, scale=0.3):
     return paged_decode_attention(q, cache, table, torch.tensor(seq_lens), scale)
 
 
-def test_backend_step_takes_the_kernel_for_decodes_only(monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_backend_step_takes_one_kernel_call_for_decodes_and_one_for_chunks(monkeypatch, head_dim):
     """In a step of decodes and prefill chunks the backend hands the decodes (first in the
-    batch) to the kernel in one call, when it is there, and attends the chunks in torch."""
+    batch) to the decode kernel in one call and the chunks to the prefill kernel in one call,
+    when they are there; a head size the prefill kernel does not take (24) is attended in
+    torch, with the same results."""
     calls = []
-    real = cpu_kernels.paged_decode
-    monkeypatch.setattr(cpu_kernels, "paged_decode",
-                        lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+    for name in ("paged_decode", "paged_prefill"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda q, *a, real=real, name=name, **k: (
+            calls.append((name, q.shape[0])) or real(q, *a, **k)))
     gen = torch.Generator().manual_seed(4)
-    d, bs = 64, 4
-    query_lens, seq_lens = [1, 1, 4], [7, 18, 6]
+    d, bs = head_dim, 4
+    query_lens, seq_lens = [1, 1, 4, 20], [7, 18, 6, 33]
     cache, table, q, k, v, qsl, positions, meta = step_case(
         gen, query_lens, seq_lens, 3, 9, d, bs, num_decodes=2)
     backend = TorchAttentionBackend()
     with torch.inference_mode():
         out = backend.forward(q, k, v, cache, backend.build_metadata(meta, bs), d ** -0.5)
-    assert calls == [2]
+    assert calls == [("paged_decode", 2), ("paged_prefill", 26)]
     for i, (ql, n) in enumerate(zip(query_lens, seq_lens)):
         keys, values = context(cache, table, i, n)
         lo = int(qsl[i])

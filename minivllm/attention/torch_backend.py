@@ -24,8 +24,9 @@ and the probability-weighted sum of value rows is read straight out of the cache
 
 In an engine on a CPU, float32, the backend hands all of a step's decodes to one call of a C
 kernel instead (``minivllm/cpu_kernels.py``), which reads each token's K and V rows once from
-their blocks; the torch paths above serve when it is not built, is turned off, or autograd needs
-the graph, and the reference functions below always use them.
+their blocks, and all of its prefill chunks to one call of another (head sizes that are
+multiples of 16); the torch paths above serve when they are not built, are turned off, or
+autograd needs the graph, and the reference functions below always use them.
 """
 
 from __future__ import annotations
@@ -201,9 +202,19 @@ class AttentionGroup:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    groups: list[AttentionGroup] = field(default_factory=list)  # the prefill chunks'
     block_size: int = 0
+    _prefill_groups: list[AttentionGroup] | None = None
     _decode_groups: list[AttentionGroup] | None = None
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """The prefill chunks' groups, planned on first use: a step whose prefills all go to
+        the CPU kernel (``cpu_kernels``) never plans them."""
+        if self._prefill_groups is None:
+            self._prefill_groups = plan_groups(
+                self.query_start_loc_cpu, self.seq_lens_cpu, self.num_decodes,
+                self.block_tables, self.block_size, decodes=False)
+        return self._prefill_groups
 
     def decode_groups(self) -> list[AttentionGroup]:
         """The decodes' groups, planned on first use: a step whose decodes all go to the CPU
@@ -439,9 +450,7 @@ class TorchAttentionBackend(AttentionBackend):
         if fields["query_start_loc_cpu"] is None:  # built by hand: the host copies from these
             fields["query_start_loc_cpu"] = metadata.query_start_loc.cpu().numpy()
             fields["seq_lens_cpu"] = metadata.seq_lens.cpu().numpy()
-        return TorchAttentionMetadata(**fields, block_size=block_size, groups=plan_groups(
-            fields["query_start_loc_cpu"], fields["seq_lens_cpu"], metadata.num_decodes,
-            metadata.block_tables, block_size, decodes=False))
+        return TorchAttentionMetadata(**fields, block_size=block_size)
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
                 sliding_window: int | None = None):
@@ -459,6 +468,10 @@ class TorchAttentionBackend(AttentionBackend):
                 sliding_window)):
             for group in metadata.decode_groups():
                 attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
-        for group in metadata.groups:
-            attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
+        if metadata.num_prefills and not (
+                cpu_kernels.can_run(q, kv_cache) and cpu_kernels.paged_prefill(
+                    q, kv_cache, metadata.block_tables[d:], metadata.seq_lens[d:],
+                    metadata.query_start_loc[d:], scale, out, sliding_window)):
+            for group in metadata.groups:
+                attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
         return out
