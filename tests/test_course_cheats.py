@@ -134,6 +134,25 @@ CHEATS = [
         def paged_attention(q, kv_cache, block_table, seq_len, scale):
             return torch_backend.paged_decode_attention(q, kv_cache, block_table, seq_len, scale)
         """, "paged_decode_attention"),
+    ("3.2", "check_paged_attention", "paged_attention", """
+        import torch
+        from minivllm import cpu_kernels
+        def paged_attention(q, kv_cache, block_table, seq_len, scale):
+            out = torch.empty(1, *q.shape)
+            cpu_kernels.paged_decode(q[None].contiguous(), kv_cache, block_table[None].int(),
+                                     torch.tensor([seq_len]), scale, out)
+            return out[0]
+        """, "minivllm.cpu_kernels.paged_decode"),
+    ("3.2", "check_paged_attention", "paged_attention", """
+        import torch
+        def paged_attention(q, kv_cache, block_table, seq_len, scale):
+            out = torch.empty(1, *q.shape)
+            qsl = torch.tensor([0, 1], dtype=torch.int32)
+            torch.ops.minivllm_cpu.paged_prefill(
+                q[None].contiguous(), kv_cache, block_table[None].int(),
+                torch.tensor([seq_len], dtype=torch.int32), qsl, scale, out, 0, 0)
+            return out[0]
+        """, "paged_prefill"),
     # 4.1 and 5.1 schedulers
     ("4.1", "check_phase_separated_scheduler", "MyPhaseSeparatedScheduler",
      "from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler as MyPhaseSeparatedScheduler",

@@ -59,6 +59,15 @@ def compare_tensors(
         fail(exercise, msg)
 
 
+def native_answer(answer: tuple[str, ...], *ops: str) -> tuple[str, ...]:
+    """``answer`` and, where the CPU kernels load, their operators ``ops`` as a learner could
+    call them (``torch.ops.minivllm_cpu.NAME``)."""
+    from minivllm import cpu_kernels
+
+    loaded = cpu_kernels.library() is not None
+    return answer + tuple(f"torch:ops.minivllm_cpu.{op}" for op in ops if loaded)
+
+
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4) -> bool:
     """For diagnostics: does ``a`` match ``b`` (shapes equal, values close)?"""
     return (isinstance(a, torch.Tensor) and a.shape == b.shape

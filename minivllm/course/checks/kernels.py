@@ -17,9 +17,9 @@ import torch
 from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
     CheckFailed, Exercise, close, decodes_through, fail, first_difference, greedy_token_ids,
-    passed, write_tiny_checkpoint,
+    native_answer, passed, write_tiny_checkpoint,
 )
-from minivllm.course.checks.model import TORCH_ATTENTION, op_swapped
+from minivllm.course.checks.model import ATTENTION_OPS, TORCH_ATTENTION, op_swapped
 from minivllm.course.grading import _triton_fn
 from minivllm.model.layers import rms_norm as reference_rms_norm
 from minivllm.testing import model_runner
@@ -92,7 +92,7 @@ def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, 
     """Refuse the package's answer in the learner's launcher and piece, then return
     ``run(ex, watched launcher, generator)`` (the number of cases), counting the piece's runs."""
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
-    ex = Exercise(number, convention, package_answer(),
+    ex = Exercise(number, convention, native_answer(package_answer(), *ATTENTION_OPS),
                   "torch and Triton (triton, triton.language)")
     try:
         if piece is not None:

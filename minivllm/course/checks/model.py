@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.torch_backend import write_to_kv_cache
-from minivllm.course.checks.common import PROMPT, Exercise, bundled_model, close
+from minivllm.course.checks.common import PROMPT, Exercise, bundled_model, close, native_answer
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 from minivllm.model.standalone import sequence_logits
 
@@ -29,10 +29,13 @@ ROPE_ANSWER = ("minivllm.model.layers:rotary_embedding",
 ROPE_CONVENTION = ("Expected (RoPE, 'neox' layout): with d = head_dim and inv_freq[i] = "
                    "base ** (-2i / d) for i < d/2, the pair (x[..., i], x[..., i + d/2]) of a "
                    "token at position p is rotated by the angle p * inv_freq[i].")
-# the package's plain-torch attention (refused in 1.3, 3.2 and chapter 09)
+# the package's attention, in torch and in its CPU kernels (refused in 1.3, 3.2 and chapter
+# 09; ``native_answer(..., *ATTENTION_OPS)`` adds the operators where the kernels load)
 TORCH_ATTENTION = tuple(f"minivllm.attention.torch_backend:{name}" for name in (
     "paged_decode_attention", "paged_prefill_attention", "attend_group", "attend_decodes_by_rows",
-    "gather_context", "gather_blocks", "TorchAttentionBackend"))
+    "gather_context", "gather_blocks", "TorchAttentionBackend")) + tuple(
+    f"minivllm.cpu_kernels:{name}" for name in ("paged_decode", "paged_prefill", "kernel"))
+ATTENTION_OPS = ("paged_decode", "paged_prefill")
 # torch's fused attention is the reference (and the chapter's cell): the exercise writes it
 GQA_ANSWER = ("torch.nn.functional:scaled_dot_product_attention",
               "torch:ops.aten.scaled_dot_product_attention", "torch.nn:MultiheadAttention",
@@ -193,7 +196,8 @@ def gqa_mistakes(q, k, v, scale, causal: bool = True) -> list:
 
 def check_gqa_attention(gqa_attention, exercise: str = "1.3", seed: int = 0) -> None:
     """``gqa_attention(q, k, v, scale) -> [tokens, heads, d]``: causal, one sequence."""
-    ex = Exercise(exercise, GQA_CONVENTION, GQA_ANSWER, GQA_ALLOWED)
+    ex = Exercise(exercise, GQA_CONVENTION, native_answer(GQA_ANSWER, *ATTENTION_OPS),
+                  GQA_ALLOWED)
     gqa_attention = ex.take(gqa_attention, "gqa_attention")
     g = torch.Generator().manual_seed(seed)
     cases = list(product(((4, 4), (9, 3), (8, 2), (6, 1)), (16, 64), (1, 5, 33), (None, 0.3)))

@@ -12,9 +12,9 @@ import torch
 from minivllm.attention.torch_backend import paged_decode_attention
 from minivllm.course.checks.common import (
     ENGINE_PROMPTS, Exercise, check_engine, close, compare_generations, decodes_through,
-    greedy_token_ids, reference_token_ids,
+    greedy_token_ids, native_answer, reference_token_ids,
 )
-from minivllm.course.checks.model import TORCH_ATTENTION, gqa_mistakes
+from minivllm.course.checks.model import ATTENTION_OPS, TORCH_ATTENTION, gqa_mistakes
 from minivllm.worker.block_table import compute_slot_mapping as reference_slot_mapping
 
 SLOT_ANSWER = ("minivllm.worker.block_table:compute_slot_mapping",
@@ -57,7 +57,8 @@ def check_slot_mapping(compute_slot_mapping, exercise: str = "3.1", seed: int = 
 
 def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0) -> None:
     """``paged_attention(q, kv_cache, block_table, seq_len, scale) -> [heads, d]``."""
-    ex = Exercise(exercise, PAGED_CONVENTION, TORCH_ATTENTION, "torch")
+    ex = Exercise(exercise, PAGED_CONVENTION, native_answer(TORCH_ATTENTION, *ATTENTION_OPS),
+                  "torch")
     paged_attention = ex.take(paged_attention, "paged_attention")
     g = torch.Generator().manual_seed(seed)
     cases = 0

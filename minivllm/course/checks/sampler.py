@@ -8,7 +8,7 @@ import math
 import torch
 
 from minivllm.course.checks.common import (
-    ENGINE_PROMPTS, Exercise, check_engine, compare_generations, greedy_token_ids,
+    ENGINE_PROMPTS, Exercise, check_engine, compare_generations, greedy_token_ids, native_answer,
     reference_token_ids,
 )
 from minivllm.sample.sampler import SamplingMetadata, apply_top_k_top_p
@@ -31,10 +31,7 @@ ANSWER = SAMPLER + ("minivllm.cpu_kernels:library", "minivllm.course.checks.samp
 
 def race_answer(answer: tuple[str, ...]) -> tuple[str, ...]:
     """``answer`` and, where the CPU kernels load, their C++ race (``race_sample``)."""
-    from minivllm import cpu_kernels
-
-    loaded = cpu_kernels.library() is not None
-    return answer + (("torch:ops.minivllm_cpu.race_sample",) if loaded else ())
+    return native_answer(answer, "race_sample")
 
 
 ALLOWED = "torch (sort, cumsum, softmax, multinomial with meta.generator / meta.generators[row])"
