@@ -810,7 +810,7 @@ void paged_prefill(const at::Tensor &q, const at::Tensor &kv_cache,
                       "paged_prefill: heads must be a multiple of KV heads and head_dim of 16");
     for (const at::Tensor *t : {&block_tables, &seq_lens, &query_start_loc})
         TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->device().is_cpu() &&
-                          t->stride(-1) == 1 && t->dim() == (t == &block_tables ? 2 : 1),
+                          t->dim() == (t == &block_tables ? 2 : 1) && t->stride(-1) == 1,
                           "paged_prefill: block_tables, seq_lens and query_start_loc must be "
                           "int32 CPU rows");
     const int64_t n = seq_lens.size(0);
