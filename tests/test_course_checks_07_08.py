@@ -95,6 +95,34 @@ def test_busy_loop_mistakes_fail_naming_them(cls, fragment):
     fails(checks.check_busy_loop, cls, "Exercise 7.1", fragment)
 
 
+class FailsOnTheRealCore(Loop):
+    """Right on the fake core; raises in its third step of the real one, requests unfinished."""
+
+    def run_busy_loop(self):
+        real = type(self.engine_core).__name__ == "EngineCore"
+        step, steps = self.engine_core.step, [0]
+
+        def counted():
+            steps[0] += 1
+            if real and steps[0] == 3:
+                raise RuntimeError("lost the engine")
+            return step()
+        self.engine_core.step = counted
+        super().run_busy_loop()
+
+
+def test_a_loop_failing_on_the_real_core_leaves_nothing_in_the_shared_engine():
+    from minivllm.course.checks.common import check_engine
+    from minivllm.course.views import engine_core
+
+    fails(checks.check_busy_loop, FailsOnTheRealCore, "Exercise 7.1", "lost the engine")
+    core = engine_core(check_engine())
+    core.__dict__.pop("step", None)  # the loop's counting wrapper, on the shared core
+    assert not core.has_unfinished_requests()
+    manager = core.scheduler.kv_cache_manager
+    assert manager.block_pool.get_num_free_blocks() == manager.num_blocks
+
+
 def test_a_loop_that_delegates_to_the_package_fails():
     from minivllm.engine.core_proc import EngineCoreProc
 

@@ -267,10 +267,16 @@ def _check_real_core(ex: Exercise, proc_cls) -> int:
     requests = [(ADD, engine.processor.process(f"loop-{i}", prompt, params)[0])
                 for i, prompt in enumerate(ENGINE_PROMPTS)]
     engine.reset_prefix_cache()
-    loop = _Loop(ex, proc_cls, engine.engine_core.engine_core, requests, output_put=put)
-    ok = loop.wait(done.is_set, timeout=120)
-    loop.stop()  # raises what the loop raised
-    engine.reset_prefix_cache()
+    core = engine.engine_core.engine_core
+    loop = _Loop(ex, proc_cls, core, requests, output_put=put)
+    try:
+        ok = loop.wait(done.is_set, timeout=120)
+        loop.stop()  # raises what the loop raised
+    finally:  # a loop that failed leaves no request in the shared engine (if it has stopped)
+        if not loop.thread.is_alive():
+            core.abort_requests([f"loop-{i}" for i in range(len(ENGINE_PROMPTS))
+                                 if f"loop-{i}" not in finished])
+        engine.reset_prefix_cache()
     if not ok:
         ex.fail("on the real engine core, 4 requests of 8 tokens did not finish within 120 s.")
     for i, want in enumerate(expected):
