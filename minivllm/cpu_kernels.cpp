@@ -1,7 +1,7 @@
-/* minivllm's CPU kernels, float32: paged decode and prefill attention, the elementwise ops of a decoder
- * layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul) and the linear layers of
- * a decode step's few rows (model/cpu_gemm.py uses them) and the sampler's exponential race
- * (sample/sampler.py), registered as torch
+/* minivllm's CPU kernels, float32: paged decode and prefill attention, the elementwise ops of a
+ * decoder layer (RMSNorm with its residual add, rotary embedding, SiLU-and-mul), the linear
+ * layers of a decode step's few rows (model/cpu_gemm.py uses them) and the sampler's
+ * exponential race (sample/sampler.py), registered as torch
  * operators (``torch.ops.minivllm_cpu.*``, the TORCH_LIBRARY block at the end) whose loops run on
  * torch's own thread pool (at::parallel_for). minivllm compiles this file the first time it is
  * needed (minivllm/cpu_kernels.py); the torch code it replaces (attention/torch_backend.py,

@@ -6,10 +6,11 @@ keys, multiplies them with one batched matmul and sums the values with ``F.embed
 context token's K and V rows once, straight from their blocks, with no padding and no copy, on
 torch's threads; ``paged_prefill`` does the same for a step's prefill chunks (causal among
 their new tokens, over everything before them), where torch would gather each chunk's context
-and call ``scaled_dot_product_attention`` on it. And a decoder layer's elementwise blocks are many small torch ops each (an
-RMSNorm is seven, a rotary embedding twenty): ``rms_norm``, ``rotary_embedding`` and
-``silu_and_mul`` here are one call each, with the signatures of ``model/layers.py``'s functions
-(the model runner swaps them in on a CPU, as it swaps in Triton kernels on a GPU). vLLM's CPU
+and call ``scaled_dot_product_attention`` on it. And a decoder layer's elementwise blocks are
+many small torch ops each (an RMSNorm is seven, a rotary embedding twenty): ``rms_norm``,
+``rotary_embedding`` and ``silu_and_mul`` here are one call each, with the signatures of
+``model/layers.py``'s functions (the model runner swaps them in on a CPU, as it swaps in Triton
+kernels on a GPU). vLLM's CPU
 backend likewise runs its attention and these ops in native code of its own. ``pack_panels``
 and ``few_rows_linear`` are the linear layers of a decode step's few rows (``model/cpu_gemm.py``
 says when they serve). ``race_sample`` is the sampler's exponential race in one pass per row
