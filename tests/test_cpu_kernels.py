@@ -2,11 +2,11 @@
 against attention written out densely (head dims they specialize or take, grouped-query ratios,
 block sizes, sliding windows, chunks after a cached context, one thread and several), bad block
 tables refused without a crash; the elementwise ops against ``model/layers.py``'s torch
-functions, on shapes small and large enough to be split between threads; torch.compile tracing them; one OpenMP runtime in the
-process; the build (with a stand-in compiler: cached by compiler version and flags, built once by
-processes that ask at once, its first error shown, a launcher in $CXX); without a compiler the
-torch code serves and one warning says so. Nothing here builds at import: the ``ops`` fixture
-builds (or finds) the library the first time a test needs it."""
+functions, on shapes small and large enough to be split between threads; torch.compile tracing
+them; one OpenMP runtime in the process; the build (with a stand-in compiler: cached by compiler
+version and flags, built once by processes that ask at once, its first error shown, a launcher
+in $CXX); without a compiler the torch code serves and one warning says so. Nothing here builds
+at import: the ``ops`` fixture builds (or finds) the library the first time a test needs it."""
 
 import importlib
 import sys
