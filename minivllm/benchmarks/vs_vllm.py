@@ -467,7 +467,8 @@ def plot(path: str, result: dict) -> None:
             ax.bar_label(bars, fmt="%.0f" if scale == 1.0 else "%.1f", fontsize=7)
         ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=7)
         ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=8)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the tallest bar
+    axes[0].legend(fontsize=8, loc="upper left", ncol=2)
     lim = "; ".join(f"{when}: GEMM {v['matmul_gflops']:.0f} GFLOP/s, read "
                     f"{v['read_gb_per_s']:.0f} GB/s, load {v['load_average']:.1f}"
                     for when, v in result.get("limits", {}).items())
