@@ -248,6 +248,22 @@ bool heads_side_by_side(const at::Tensor &x) {
     return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
 }
 
+/* what both attention kernels take: q and out float32 [tokens, heads, head_dim] with each
+ * token's heads side by side, and a contiguous float32 cache of q's head_dim */
+void check_attention_rows(const at::Tensor &q, const at::Tensor &kv_cache,
+                          const at::Tensor &out, const char *op) {
+    check_float_rows(q, op, "q");
+    check_float_rows(out, op, "out");
+    check_float_rows(kv_cache, op, "kv_cache");
+    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(out) &&
+                      out.sizes() == q.sizes(),
+                      op, ": q and out must be float32 rows of [heads, head_dim]");
+    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                      kv_cache.size(4) == q.size(2),
+                      op, ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, "
+                      "head_dim] of q's head_dim");
+}
+
 /* out[i] = attention of q[i] over sequence i's context (its seq_lens[i] tokens, or the last
  * `window` of them when window > 0), for the first len(q) sequences, split into `parts`
  * (<= 0: torch's thread count) of about equal token counts that torch's threads share.
@@ -255,17 +271,7 @@ bool heads_side_by_side(const at::Tensor &x) {
 void paged_decode(const at::Tensor &q, const at::Tensor &kv_cache, const at::Tensor &block_tables,
                   const at::Tensor &seq_lens, double scale, const at::Tensor &out, int64_t window,
                   int64_t parts) {
-    const char *op = "paged_decode";
-    check_float_rows(q, op, "q");
-    check_float_rows(out, op, "out");
-    check_float_rows(kv_cache, op, "kv_cache");
-    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(out) &&
-                      out.sizes() == q.sizes(),
-                      "paged_decode: q and out must be float32 rows of [heads, head_dim]");
-    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                      kv_cache.size(4) == q.size(2),
-                      "paged_decode: kv_cache must be a contiguous [2, blocks, block_size, "
-                      "kv_heads, head_dim] of q's head_dim");
+    check_attention_rows(q, kv_cache, out, "paged_decode");
     const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = kv_cache.size(3);
     TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                       block_tables.stride(1) == 1 && seq_lens.scalar_type() == at::kInt &&
@@ -794,17 +800,7 @@ void paged_prefill(const at::Tensor &q, const at::Tensor &kv_cache,
                    const at::Tensor &block_tables, const at::Tensor &seq_lens,
                    const at::Tensor &query_start_loc, double scale, const at::Tensor &out,
                    int64_t window, int64_t parts) {
-    const char *op = "paged_prefill";
-    check_float_rows(q, op, "q");
-    check_float_rows(out, op, "out");
-    check_float_rows(kv_cache, op, "kv_cache");
-    TORCH_CHECK_VALUE(heads_side_by_side(q) && heads_side_by_side(out) &&
-                      out.sizes() == q.sizes(),
-                      "paged_prefill: q and out must be float32 rows of [heads, head_dim]");
-    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                      kv_cache.size(4) == q.size(2),
-                      "paged_prefill: kv_cache must be a contiguous [2, blocks, block_size, "
-                      "kv_heads, head_dim] of q's head_dim");
+    check_attention_rows(q, kv_cache, out, "paged_prefill");
     const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), kv_heads = kv_cache.size(3);
     TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0 && D >= 16 && D % 16 == 0,
                       "paged_prefill: heads must be a multiple of KV heads and head_dim of 16");

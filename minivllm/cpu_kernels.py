@@ -275,6 +275,11 @@ def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and _heads_side_by_side(q))
 
 
+def _int32_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as int32 rows with a contiguous last dim (what the attention kernels index)."""
+    return x if x.dtype == torch.int32 and x.stride(-1) == 1 else x.int().contiguous()
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                  sliding_window: int | None = None, num_threads: int | None = None) -> bool:
@@ -289,17 +294,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     n = q.shape[0]
     if n == 0:
         return True
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
-    lens = seq_lens[:n]
-    lens = lens if lens.dtype == torch.int32 and lens.is_contiguous() else lens.int().contiguous()
-    if tables.stride(1) != 1:
-        tables = tables.contiguous()
-    fn(q, kv_cache, tables, lens, scale, out, sliding_window or 0, num_threads or 0)
+    fn(q, kv_cache, _int32_rows(block_tables), _int32_rows(seq_lens[:n]), scale, out,
+       sliding_window or 0, num_threads or 0)
     return True
-
-
-def _int32_rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int32 and x.stride(-1) == 1 else x.int().contiguous()
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

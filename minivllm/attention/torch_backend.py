@@ -462,16 +462,15 @@ class TorchAttentionBackend(AttentionBackend):
         if not isinstance(metadata, TorchAttentionMetadata):  # not planned (called directly)
             metadata = self.build_metadata(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
-        d = metadata.num_decodes
-        if d and not (cpu_kernels.can_run(q, kv_cache) and cpu_kernels.paged_decode(
+        d, native = metadata.num_decodes, cpu_kernels.can_run(q, kv_cache)
+        if d and not (native and cpu_kernels.paged_decode(
                 q[:d], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:d],
                 sliding_window)):
             for group in metadata.decode_groups():
                 attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
-        if metadata.num_prefills and not (
-                cpu_kernels.can_run(q, kv_cache) and cpu_kernels.paged_prefill(
-                    q, kv_cache, metadata.block_tables[d:], metadata.seq_lens[d:],
-                    metadata.query_start_loc[d:], scale, out, sliding_window)):
+        if metadata.num_prefills and not (native and cpu_kernels.paged_prefill(
+                q, kv_cache, metadata.block_tables[d:], metadata.seq_lens[d:],
+                metadata.query_start_loc[d:], scale, out, sliding_window)):
             for group in metadata.groups:
                 attend_group(q, kv_cache, group, scale, out, sliding_window, self.workspace)
         return out
