@@ -70,20 +70,26 @@ def test_kernel_softmax_over_large_score_gaps(ops):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("case", ["block id past the cache", "negative block id",
-                                  "context longer than its table", "empty context"])
-def test_kernel_refuses_bad_input(ops, case):
-    gen = torch.Generator().manual_seed(2)
-    cache, table = paged_case(gen, [8, 8], 2, 16, 4)
-    lens = [8, 8]
+BAD_TABLES = ["block id past the cache", "negative block id", "context longer than its table"]
+
+
+def _break_table(case, cache, table, lens):
+    """Two sequences of 8 tokens in blocks of 4: spoil ``table`` (in place) or ``lens`` the way
+    ``case`` of ``BAD_TABLES`` says; returns the lengths to pass."""
     if case == "block id past the cache":
         table[1, 1] = cache.shape[1]
     elif case == "negative block id":
         table[0, 0] = -1
     elif case == "context longer than its table":
         lens = [8, 4 * table.shape[1] + 1]
-    else:
-        lens = [8, 0]
+    return lens
+
+
+@pytest.mark.parametrize("case", BAD_TABLES + ["empty context"])
+def test_kernel_refuses_bad_input(ops, case):
+    gen = torch.Generator().manual_seed(2)
+    cache, table = paged_case(gen, [8, 8], 2, 16, 4)
+    lens = [8, 0] if case == "empty context" else _break_table(case, cache, table, [8, 8])
     q = torch.randn(2, 4, 16, generator=gen)
     with pytest.raises(ValueError, match="paged_decode"):
         run_kernel(q, cache, table, lens, 0.25)
@@ -140,27 +146,16 @@ def test_prefill_kernel_softmax_over_large_score_gaps(ops):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("case", ["block id past the cache", "negative block id",
-                                  "context longer than its table", "more queries than tokens",
-                                  "queries past q"])
+@pytest.mark.parametrize("case", BAD_TABLES + ["more queries than tokens", "queries past q"])
 def test_prefill_kernel_refuses_bad_input(ops, case):
     gen = torch.Generator().manual_seed(2)
     cache, table = paged_case(gen, [8, 8], 2, 16, 4)
-    query_lens, lens = [3, 8], [8, 8]
-    if case == "block id past the cache":
-        table[1, 1] = cache.shape[1]
-    elif case == "negative block id":
-        table[0, 1] = -1
-    elif case == "context longer than its table":
-        lens = [8, 4 * table.shape[1] + 1]
-    elif case == "more queries than tokens":
-        lens = [2, 8]
+    query_lens = [3, 8]  # sequence 0's 3 new tokens at positions 5-7 see all its blocks
+    lens = [2, 8] if case == "more queries than tokens" else _break_table(case, cache, table,
+                                                                           [8, 8])
     q = torch.randn(10 if case == "queries past q" else 11, 4, 16, generator=gen)
-    if case == "queries past q":
-        q = q[:10]
+    out, qsl = torch.empty_like(q), torch.tensor([0, 3, 11], dtype=torch.int32)
     with pytest.raises(ValueError, match="paged_prefill"):
-        out = torch.empty_like(q)
-        qsl = torch.tensor([0, 3, 11], dtype=torch.int32)
         ops.paged_prefill(q, cache, table, torch.tensor(lens, dtype=torch.int32), qsl, 0.25,
                           out, 0, 0)
     # and the kernel still works afterwards
