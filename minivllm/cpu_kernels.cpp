@@ -643,25 +643,25 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
 /* ---- prefill attention: each sequence's new tokens over their paged context ----
  *
  * out[t] for the new tokens of a step's prefill chunks: sequence s's queries are tokens
- * query_start_loc[s] .. query_start_loc[s + 1] of q, at positions seq_len - query_len onward,
- * and the query at position p attends to keys 0..p (p - window < key with a window), read
- * straight from the cache's blocks, the new tokens' included (written before the call). The
- * work is cut into items of one sequence, one KV head and 16 consecutive queries. An item
- * packs each query head's 16 queries into a [head_dim, 16] panel once, then walks the keys its
- * queries can see in chunks of up to 16 tokens (never across a block): each chunk's scores are
- * the linear layers' tile (panel_rows) with the chunk's key rows, read in place, as the rows
- * and the query panel as the weights, so a score row holds one key against the 16 queries and
- * the online softmax (a running max and sum per query, FlashAttention's scheme) runs down the
- * columns eight queries to a vector (all sixteen with AVX-512); the chunk's value rows, read
- * in place too, are then added into the item's outputs with their weights. Nothing is
- * gathered, padded or transposed but the queries; keys past an item's last query are never
- * read, and the causal mask costs work only in the chunks it cuts; the threads split the items by their (query, key) pairs. Against
- * torch's gather and scaled_dot_product_attention (2 threads, 9 heads over 3 KV heads, head_dim
- * 64, best of ten, one run): two 256-token chunks, one after 256 cached tokens, 2.5 ms against
- * 4.8 (about 120 GFLOP/s against 63); one fresh 512-token chunk 2.6 against 4.8; one fresh
- * 256-token chunk 0.63 against 1.62. With AVX-512's 16-float vectors in the tiles and the
- * softmax (another machine, a 2-core Xeon, best of twenty): a fresh 512-token chunk 1.44-1.55
- * ms against 1.76 with 8-float ones, about 200 GFLOP/s against 170. */
+ * query_start_loc[s] .. query_start_loc[s + 1] of q, at positions seq_len - query_len onward, and
+ * the query at position p attends to keys 0..p (p - window < key with a window), read straight
+ * from the cache's blocks, the new tokens' included (written before the call). The work is cut
+ * into items of one sequence, one KV head and 16 consecutive queries. An item packs each query
+ * head's 16 queries into a [head_dim, 16] panel once, then walks the keys its queries can see in
+ * chunks of up to 16 tokens (never across a block): each chunk's scores are the linear layers'
+ * tile (panel_rows) with the chunk's key rows, read in place, as the rows and the query panel as
+ * the weights, so a score row holds one key against the 16 queries and the online softmax (a
+ * running max and sum per query, FlashAttention's scheme) runs down the columns eight queries to a
+ * vector (all sixteen with AVX-512); the chunk's value rows, read in place too, are then added
+ * into the item's outputs with their weights. Nothing is gathered, padded or transposed but the
+ * queries; keys past an item's last query are never read, and the causal mask costs work only in
+ * the chunks it cuts; the threads split the items by their (query, key) pairs. Against torch's
+ * gather and scaled_dot_product_attention (2 threads, 9 heads over 3 KV heads, head_dim 64, best
+ * of ten, one run): two 256-token chunks, one after 256 cached tokens, 2.5 ms against 4.8 (about
+ * 120 GFLOP/s against 63); one fresh 512-token chunk 2.6 against 4.8; one fresh 256-token chunk
+ * 0.63 against 1.62. With AVX-512's 16-float vectors in the tiles and the softmax (another
+ * machine, a 2-core Xeon, best of twenty): a fresh 512-token chunk 1.44-1.55 ms against 1.76 with
+ * 8-float ones, about 200 GFLOP/s against 170. */
 
 constexpr int64_t QUERY_TILE = PANEL, KEY_CHUNK = 16;
 typedef int32_t veci8 __attribute__((vector_size(32)));
