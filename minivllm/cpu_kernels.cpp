@@ -486,24 +486,23 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
  * A decode step multiplies one row per running sequence by every weight of the model: it reads
  * each weight once for a few rows' worth of arithmetic, so its speed is how fast the weights
  * stream in. Here a weight [out, in] is packed once (pack_panels, at load time) as panels of 16
- * outputs, [ceil(out / 16)][in][16]: a panel is one contiguous run, and input k needs the 64
- * bytes (one cache line) at k of it: two 8-float vectors with AVX2, one 16-float vector with
- * AVX-512. A tile is R rows of x against one panel: per input it loads the panel's line and R
- * floats of x (each broadcast to a vector) and does R multiply-adds per vector of the line into
- * sums held in registers: R = 6 with AVX2's 16 vector registers (12 sums), 16 with AVX-512's 32
- * (16 sums of 16 floats, on a CPU with two 512-bit multiply-add units twice the arithmetic per
- * cycle: on a 2-core Xeon with AVX-512, 16 rows of the bundled model's weights took 28-32 ms a
- * step's worth against 34.5 with the 8-float vectors, a decode step of 16 sequences 52-57 ms
- * against 58-60). The loops over the R rows must be unrolled (the pragmas): left to itself the
- * compiler kept the sums of R = 4..8 in memory, at a third of the speed. More rows than R
- * take more tiles of about equal size, the later ones reading the panel from cache. The first
- * tile asks for the panel's line PREFETCH_FLOATS ahead of the one it reads, into L2: without
- * that the loads wait on memory, since the hardware's own prefetching does not run far enough
- * ahead of this much arithmetic per line (measured on the bundled model's weights, 2 threads,
- * AVX2 vectors: 16 rows 43 ms a step's worth without it, 29 ms with it).
- * The threads split the panels. Written with the compiler's vector type, so it builds for any
- * CPU. The sums run in another order than F.linear's, so the results equal it up to float
- * rounding. */
+ * outputs, [ceil(out / 16)][in][16]: a panel is one contiguous run, and input k needs the 64 bytes
+ * (one cache line) at k of it: two 8-float vectors with AVX2, one 16-float vector with AVX-512. A
+ * tile is R rows of x against one panel: per input it loads the panel's line and R floats of x
+ * (each broadcast to a vector) and does R multiply-adds per vector of the line into sums held in
+ * registers: R = 6 with AVX2's 16 vector registers (12 sums), 16 with AVX-512's 32 (16 sums of 16
+ * floats: where the CPU's multiply-add units are 512 bits wide, twice the arithmetic per cycle; on
+ * a 2-core Xeon with AVX-512, 16 rows of the bundled model's weights took 28-32 ms a step's worth
+ * against 34.5 with the 8-float vectors, a decode step of 16 sequences 52-57 ms against 58-60).
+ * The loops over the R rows must be unrolled (the pragmas): left to itself the compiler kept the
+ * sums of R = 4..8 in memory, at a third of the speed. More rows than R take more tiles of about
+ * equal size, the later ones reading the panel from cache. The first tile asks for the panel's
+ * line PREFETCH_FLOATS ahead of the one it reads, into L2: without that the loads wait on memory,
+ * since the hardware's own prefetching does not run far enough ahead of this much arithmetic per
+ * line (measured on the bundled model's weights, 2 threads, AVX2 vectors: 16 rows 43 ms a step's
+ * worth without it, 29 ms with it). The threads split the panels. Written with the compiler's
+ * vector type, so it builds for any CPU. The sums run in another order than F.linear's, so the
+ * results equal it up to float rounding. */
 
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4)));
