@@ -6,7 +6,8 @@
   test command itself: nbval runs every chapter and solution notebook);
 * the test command collects every chapter and solution notebook, and no exercise notebook;
 * the conftest hook skips GPU cells without CUDA and ignores what may vary (stderr, addresses)
-  while still comparing the rest.
+  while still comparing the rest;
+* no compared output prints a float rounding residual, which is another number on another CPU.
 """
 
 import glob
@@ -152,6 +153,34 @@ def test_notebook_is_committed_run_without_errors(path):
     for i, cell in enumerate(cells):  # GPU cells too: without CUDA they show a stored result
         assert cell.execution_count is not None, f"code cell {i} was not run before committing"
         assert not [o for o in cell.outputs if o.output_type == "error"], f"code cell {i} failed"
+
+
+# a number as small as a float32 rounding residual, printed the way a residual is (a short
+# mantissa, "{:.1e}"): 9.5e-07; not a value printed whole (a config's 9.999999747378752e-06)
+RESIDUAL = re.compile(r"\b\d(?:\.\d{1,2})?e-(?:0[5-9]|[1-9]\d)\b")
+
+
+@pytest.mark.parametrize("path", CHAPTERS + SOLUTIONS, ids=os.path.basename)
+def test_compared_outputs_print_no_rounding_residual(path):
+    """nbval compares a cell's output as text, and a float32 residual (``max |a - b|`` of two
+    ways to sum) is another number on another CPU (torch's matmul sums in an order that depends
+    on the instruction set): such a cell prints the comparison with a tolerance instead, or
+    carries ``nbval-ignore-output``."""
+    for i, cell in enumerate(_code_cells(path)):
+        if "nbval-ignore-output" in cell.metadata.get("tags", []):
+            continue
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        found = RESIDUAL.search(text)
+        assert found is None, (f"code cell {i} prints {found.group()}: a residual that differs "
+                               "from CPU to CPU; print whether it is under a tolerance")
+
+
+def test_the_residual_pattern_finds_residuals_only():
+    assert RESIDUAL.search("max |kernel - torch x @ y|: 9.5e-07")
+    assert RESIDUAL.search("off by 2.4e-10 in all")
+    assert not RESIDUAL.search("under 1e-5: True")  # a tolerance, not a measured residual
+    assert not RESIDUAL.search("0.0e+00 and 3.1e+04 FLOPs, 1.5e-3 s")
+    assert not RESIDUAL.search("rms_norm_eps           9.999999747378752e-06")
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=os.path.basename)
