@@ -673,6 +673,11 @@ constexpr int64_t QUERY_TILE = PANEL, KEY_CHUNK = 16;
 typedef int32_t veci8 __attribute__((vector_size(32)));
 #ifdef __AVX512F__
 typedef int32_t veci16 __attribute__((vector_size(64)));
+typedef vec16 query_vec;  /* the online softmax's vector: a query tile's 16 queries at once */
+typedef veci16 query_veci;
+#else
+typedef vec8 query_vec;  /* half a query tile at once */
+typedef veci8 query_veci;
 #endif
 
 /* exp_nonpositive, a vector V of floats (VI: of int32s as wide) at once */
@@ -843,13 +848,8 @@ static int prefill_item(const Prefill &a, const PrefillItem &it, float *work) {
             for (int64_t k0 = 0; k0 < n; k0 += TILE_ROWS)  /* S[c, r] = k_c . q_r */
                 panel_rows<TILE_ROWS>(keys + k0 * row, row, std::min<int64_t>(TILE_ROWS, n - k0),
                                       Qp + g * D * Q, D, nullptr, S + k0 * Q, Q, Q, false);
-#ifdef __AVX512F__
-            softmax_chunk<vec16, veci16>(S, n, c0, masked, a.scale, pos, first, m + g * Q,
-                                         l + g * Q, alpha);
-#else
-            softmax_chunk<vec8, veci8>(S, n, c0, masked, a.scale, pos, first, m + g * Q,
-                                       l + g * Q, alpha);
-#endif
+            softmax_chunk<query_vec, query_veci>(S, n, c0, masked, a.scale, pos, first,
+                                                 m + g * Q, l + g * Q, alpha);
             for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS)
                 pv_rows<TILE_ROWS>(S + r0, alpha + r0, values, row, n, O + (g * Q + r0) * D, D,
                                    std::min<int64_t>(TILE_ROWS, M - r0));
