@@ -117,11 +117,13 @@ def make_socket(ctx, kind: int, address: str, bind: bool):
 
 def recv_while_alive(socket, procs, dead) -> bytes:
     """The next message on ``socket``. While none comes, each of ``procs`` is checked every
-    ``LIVENESS_POLL_MS``; the first found dead raises ``dead(proc)``."""
+    ``LIVENESS_POLL_MS``; a dead one raises ``dead(proc)``: one killed by a signal if any (the
+    cause: the others may have exited because it left their collectives), else the first."""
     while not socket.poll(LIVENESS_POLL_MS):
-        for proc in procs:
-            if not proc.is_alive():
-                raise dead(proc)
+        gone = [proc for proc in procs if not proc.is_alive()]
+        if gone:
+            killed = [proc for proc in gone if (proc.exitcode or 0) < 0]
+            raise dead((killed or gone)[0])
     return socket.recv()
 
 

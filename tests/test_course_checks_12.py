@@ -153,3 +153,22 @@ def test_qkv_delegation_fails_saying_why_and_the_helper_comes_back():
     fails(checks.check_qkv_sharding, delegating_shards, "kv_head_partition",
           "the package's own answer", error=checks.Delegated, starts="Exercise 12.2: ")
     assert kv_head_partition(2, 4, 3) == (1, 1)  # restored after grading
+
+
+def test_the_rank_that_failed_first_is_reported_not_the_one_left_waiting():
+    """Rank 1 raising NotImplementedError leaves rank 0 in a collective ("closed by peer"),
+    and rank 0's result comes first: the grader reports rank 1's error, the cause."""
+    from minivllm.course.checks.tp import raise_first_cause
+    from minivllm.course.grading import Exercise
+
+    waiting = {"rank": 0, "error": (None, "RuntimeError: Connection closed by peer [::1]:1234")}
+    own = {"rank": 1, "error": (NotImplementedError, "Exercise 12.1: split the rows")}
+    with pytest.raises(NotImplementedError, match="split the rows"):
+        raise_first_cause(Exercise("12.1"), [waiting, own])
+    crashed = {"rank": 1, "error": (None, "ValueError: shapes do not match")}
+    message = fails(lambda results: raise_first_cause(Exercise("12.1"), results),
+                    [waiting, crashed], "rank 1 raised", "shapes do not match")
+    assert "never joined" not in message
+    fails(lambda results: raise_first_cause(Exercise("12.1"), results), [waiting],
+          "rank 0 raised", "never joined")
+    raise_first_cause(Exercise("12.1"), [{"rank": 0, "error": None}])  # nothing failed

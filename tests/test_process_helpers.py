@@ -36,6 +36,25 @@ def test_a_message_arrives_and_a_dead_child_is_noticed():
     assert all(s.closed for s in resources.sockets)
 
 
+def test_of_two_dead_children_the_one_killed_by_a_signal_is_named():
+    """A tensor-parallel worker killed by a signal makes its peer exit (code 1) from the
+    collective they shared; whichever is found first, the killed one is the cause named."""
+    resources = ProcessResources()
+    try:
+        pull = resources.bind(zmq.PULL, "out")
+        exits = resources.spawn(os._exit, (1,), "Exits")  # listed first, as rank 0 is
+        killed = resources.spawn(time.sleep, (60,), "Killed")
+        os.kill(killed.pid, signal.SIGKILL)
+        for child in (exits, killed):
+            child.join(30)
+        with pytest.raises(ChildProcessError, match="Killed"):
+            recv_while_alive(pull, [exits, killed], lambda p: ChildProcessError(p.name))
+        with pytest.raises(ChildProcessError, match="Exits"):  # none killed: the first dead
+            recv_while_alive(pull, [exits], lambda p: ChildProcessError(p.name))
+    finally:
+        resources()
+
+
 def test_release_stops_a_child_that_is_still_running():
     resources = ProcessResources()
     child = resources.spawn(time.sleep, (60,), "LongSleeper")

@@ -129,15 +129,27 @@ def _run_ranks(ex: Exercise, layer_cls, cases) -> list[dict]:
     for r in results:
         if r["printed"].strip():
             print(f"[rank {r['rank']} printed]\n{r['printed'].rstrip()}")
-    for r in results:
-        if r["error"] is not None:
-            kind, text = r["error"]
-            if kind is not None:
-                raise kind(text)
-            timed_out = any(w in text.lower() for w in ("timed out", "timeout", "closed by peer",
-                                                       "reset by peer"))
-            ex.fail(f"rank {r['rank']} raised{NEVER_JOINED if timed_out else ''}:\n{text}")
+    raise_first_cause(ex, results)
     return results
+
+
+def raise_first_cause(ex: Exercise, results: list[dict]) -> None:
+    """Raise the ranks' failure, the cause first: a rank that fails on its own makes the other
+    fail in the collective it then waits in, and that rank may come first (a fresh exercise:
+    rank 1 raises NotImplementedError while rank 0 still joins the group)."""
+    failed = [(r, _left_alone(r["error"])) for r in results if r["error"] is not None]
+    for r, left_alone in sorted(failed, key=lambda f: (f[1], f[0]["error"][0] is None)):
+        kind, text = r["error"]
+        if kind is not None:
+            raise kind(text)
+        ex.fail(f"rank {r['rank']} raised{NEVER_JOINED if left_alone else ''}:\n{text}")
+
+
+def _left_alone(error) -> bool:
+    """Did a rank fail only because the other left a collective (a timeout, a closed peer)?"""
+    kind, text = error
+    return kind is None and any(w in text.lower() for w in (
+        "timed out", "timeout", "closed by peer", "reset by peer"))
 
 
 def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) -> None:
