@@ -138,11 +138,13 @@ def raise_first_cause(ex: Exercise, results: list[dict]) -> None:
     fail in the collective it then waits in, and that rank may come first (a fresh exercise:
     rank 1 raises NotImplementedError while rank 0 still joins the group)."""
     failed = [(r, _left_alone(r["error"])) for r in results if r["error"] is not None]
-    for r, left_alone in sorted(failed, key=lambda f: (f[1], f[0]["error"][0] is None)):
-        kind, text = r["error"]
-        if kind is not None:
-            raise kind(text)
-        ex.fail(f"rank {r['rank']} raised{NEVER_JOINED if left_alone else ''}:\n{text}")
+    if not failed:
+        return
+    r, left_alone = min(failed, key=lambda f: (f[1], f[0]["error"][0] is None))
+    kind, text = r["error"]
+    if kind is not None:
+        raise kind(text)
+    ex.fail(f"rank {r['rank']} raised{NEVER_JOINED if left_alone else ''}:\n{text}")
 
 
 def _left_alone(error) -> bool:
