@@ -11,10 +11,9 @@ many small torch ops each (an RMSNorm is seven, a rotary embedding twenty): ``rm
 ``rotary_embedding`` and ``silu_and_mul`` here are one call each, with the signatures of
 ``model/layers.py``'s functions (the model runner swaps them in on a CPU, as it swaps in Triton
 kernels on a GPU). vLLM's CPU backend likewise runs its attention and these ops in native code
-of its own. ``pack_panels``
-and ``few_rows_linear`` are the linear layers of a decode step's few rows (``model/cpu_gemm.py``
-says when they serve). ``race_sample`` is the sampler's exponential race in one pass per row
-(``sample/sampler.py``'s ``sample_race``).
+of its own. ``pack_panels`` and ``few_rows_linear`` are the linear layers of a decode step's few
+rows (``model/cpu_gemm.py`` says when they serve). ``race_sample`` is the sampler's exponential
+race in one pass per row (``sample/sampler.py``'s ``sample_race``).
 
 The C++ file registers them with torch's dispatcher (``TORCH_LIBRARY``) as
 ``torch.ops.minivllm_cpu.*``, and this module gives each a shape function for tracing
