@@ -32,6 +32,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1021,6 +1022,77 @@ at::Tensor race_sample(const at::Tensor &probs, const at::Tensor &keys) {
     return out;
 }
 
+/* ---- a whole decode step's layers in one call ----
+ *
+ * The decoder layers of model/llama.py for a batch of single-token decodes, each step the same
+ * operators in the same order as the Python forward with these kernels swapped in (so the same
+ * floats), without the Python between them: on a 2-core CPU the interpreter, the modules and
+ * the dispatcher took about a fifth of a decode step, during which torch's other threads wait.
+ * worker/cpu_decode.py says when the engine calls it. Per layer, `weights` holds six tensors
+ * (the input norm's weight, qkv's panels, o_proj's, the post-attention norm's weight,
+ * gate_up's panels, down's), then the final norm's weight; `qkv_biases` one per layer (None
+ * without), `kv_caches` and `windows` (0: full attention) too; `heads` is (query heads, KV
+ * heads, head_dim). hidden: the embedded tokens [n, hidden]; slots: where each token's K/V go.
+ * Returns the final norm's output [n, hidden]. */
+
+/* the n tokens' K and V rows into their slots of a [2, blocks, block_size, kv_heads, d] cache
+ * (index_copy_ of each half, as the torch backend writes them) */
+void write_kv(const at::Tensor &cache, const at::Tensor &k, const at::Tensor &v,
+              const int64_t *slots, int64_t n) {
+    const int64_t row = cache.size(3) * cache.size(4);
+    const int64_t num_slots = cache.size(1) * cache.size(2), half = cache.stride(0);
+    float *kc = cache.data_ptr<float>(), *vc = kc + half;
+    const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t s = slots[t];
+        TORCH_CHECK_INDEX(s >= 0 && s < num_slots, "decode_layers: slot ", s,
+                          " outside the KV cache");
+        std::copy_n(kp + t * k.stride(0), row, kc + s * row);
+        std::copy_n(vp + t * v.stride(0), row, vc + s * row);
+    }
+}
+
+at::Tensor decode_layers(const at::Tensor &hidden, const at::Tensor &positions,
+                         const at::Tensor &slots, const at::Tensor &block_tables,
+                         const at::Tensor &seq_lens, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>> &qkv_biases,
+                         at::TensorList kv_caches, const at::Tensor &cos_sin,
+                         at::IntArrayRef windows, at::IntArrayRef heads, double eps,
+                         double scale) {
+    const int64_t layers = (int64_t)kv_caches.size();
+    TORCH_CHECK_VALUE(heads.size() == 3 && (int64_t)weights.size() == 6 * layers + 1 &&
+                      (int64_t)qkv_biases.size() == layers && (int64_t)windows.size() == layers,
+                      "decode_layers: six weights a layer and the final norm's, one bias, "
+                      "cache and window a layer, and (heads, kv_heads, head_dim)");
+    TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                      slots.device().is_cpu() && slots.numel() == hidden.size(0),
+                      "decode_layers: slots must be int64, one per token");
+    const int64_t n = hidden.size(0), H = hidden.size(1);
+    const int64_t nh = heads[0], nkv = heads[1], d = heads[2];
+    const int64_t q_size = nh * d, kv_size = nkv * d;
+    at::Tensor h = rms_norm(hidden, weights[0], eps), residual = hidden;
+    for (int64_t l = 0; l < layers; l++) {
+        const at::Tensor *w = weights.data() + 6 * l;
+        if (l > 0) std::tie(h, residual) = fused_add_rms_norm(h, residual, w[0], eps);
+        const at::Tensor qkv = few_rows_linear(h, w[1], qkv_biases.get(l), q_size + 2 * kv_size);
+        const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv, d});
+        auto [q, k] = rotary_embedding(positions, qkv.narrow(1, 0, q_size).view({n, nh, d}),
+                                       qkv.narrow(1, q_size, kv_size).view({n, nkv, d}),
+                                       cos_sin);
+        const at::Tensor &cache = kv_caches[l];
+        check_attention_rows(q, cache, q, "decode_layers");
+        TORCH_CHECK_VALUE(cache.size(3) == nkv, "decode_layers: a cache of another KV head count");
+        write_kv(cache, k, v, slots.data_ptr<int64_t>(), n);
+        at::Tensor out = at::empty(q.sizes(), q.options());
+        paged_decode(q, cache, block_tables, seq_lens, scale, out, windows[l], 0);
+        h = few_rows_linear(out.view({n, q_size}), w[2], std::nullopt, H);
+        std::tie(h, residual) = fused_add_rms_norm(h, residual, w[3], eps);
+        h = few_rows_linear(h, w[4], std::nullopt, 2 * w[5].size(1));
+        h = few_rows_linear(silu_and_mul(h), w[5], std::nullopt, H);
+    }
+    return std::get<0>(fused_add_rms_norm(h, residual, weights[6 * layers], eps));
+}
+
 }  // namespace
 
 /* The operators' schemas (what torch.compile and the dispatcher see); their shape functions for
@@ -1039,6 +1111,9 @@ TORCH_LIBRARY(minivllm_cpu, m) {
     m.def("race_sample(Tensor probs, Tensor keys) -> Tensor");
     m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
           "Tensor query_start_loc, float scale, Tensor(a!) out, int window, int parts) -> ()");
+    m.def("decode_layers(Tensor hidden, Tensor positions, Tensor slots, Tensor block_tables, "
+          "Tensor seq_lens, Tensor[] weights, Tensor?[] qkv_biases, Tensor(a!)[] kv_caches, "
+          "Tensor cos_sin_cache, int[] windows, int[] heads, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
@@ -1051,4 +1126,5 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("race_sample", &race_sample);
     m.impl("paged_prefill", &paged_prefill);
+    m.impl("decode_layers", &decode_layers);
 }

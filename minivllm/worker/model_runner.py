@@ -20,7 +20,8 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
 kernels, ``torch.compile``, C kernels on a CPU in float32 (``cpu_kernels``), or plain torch:
 ``EngineConfig.compilation_config``), and on CUDA replays decode steps from CUDA graphs
-(``cuda_graphs.py``; off with ``enforce_eager``).
+(``cuda_graphs.py``), on a CPU runs their layers in one C++ call (``cpu_decode.py``; both off
+with ``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from minivllm.model.cpu_gemm import pack_linear_weights, should_pack
 from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
+from minivllm.worker.cpu_decode import CpuDecodeLoop
 from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.utils import cdiv
@@ -101,6 +103,7 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(config.compilation_config.attention_backend)
         for layer in self.model.attention_layers():
             layer.backend = self.attention_backend
+        self.cpu_ops: dict | None = None  # the C elementwise ops, where the runner picked them
         if config.compilation_config.use_custom_ops:
             from minivllm.kernels import triton_elementwise_ops
 
@@ -111,8 +114,10 @@ class ModelRunner:
                                              for name, fn in NATIVE_OPS.items()})
         elif self.device.type == "cpu" and model_config.dtype == torch.float32:
             # one C call per RMSNorm, rotary and SiLU-and-mul (``cpu_kernels``), when it builds
-            use_elementwise_ops(self.model, cpu_elementwise_ops(NATIVE_OPS) or NATIVE_OPS)
+            self.cpu_ops = cpu_elementwise_ops(NATIVE_OPS)
+            use_elementwise_ops(self.model, self.cpu_ops or NATIVE_OPS)
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.cpu_decode: CpuDecodeLoop | None = None  # the CPU's one-call decode layers
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
@@ -210,6 +215,8 @@ class ModelRunner:
         if (self.config.compilation_config.use_cuda_graph
                 and self.attention_backend.supports_cuda_graph):
             self.capture_model()
+        if self.config.compilation_config.use_cpu_decode_loop:
+            self.cpu_decode = CpuDecodeLoop.create(self.model, self.cpu_ops, self.kv_caches)
 
     def capture_model(self, capture: bool = True) -> None:
         """Record decode steps as CUDA graphs over the runner's own step buffers.
@@ -381,9 +388,12 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, cu = self.prepare_inputs(scheduler_output)
         if not len(sample_rows):
             self.copy_fence.record()  # nothing sampled: no sync ends this step
+        hidden = None
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
-        else:
+        elif self.cpu_decode is not None:
+            hidden = self.cpu_decode.run(input_ids, positions, meta)
+        if hidden is None:
             attn_meta = self.attention_backend.build_metadata(meta, self.block_size)
             hidden = self.model(input_ids, positions, attn_meta)
 

@@ -1,0 +1,170 @@
+"""A CPU decode step's layers in one C++ call (``minivllm/worker/cpu_decode.py``,
+``decode_layers`` in ``minivllm/cpu_kernels.cpp``): the same floats as the Python forward, and
+the Python forward wherever something the loop would bypass was changed."""
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams, cpu_kernels
+from minivllm.model import cpu_gemm
+from minivllm.testing import make_checkpoint, model_runner
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library() is None or not cpu_gemm.onednn_available(),
+    reason="the CPU kernels or oneDNN are unavailable")
+
+# Mistral with a window shorter than the prompts: every layer slides
+MISTRAL = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+               tie_word_embeddings=False)
+PROMPTS = [list(range(100, 130)), [5] * 3, list(range(400, 419)), list(range(900, 911))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def packed_llm(request, tiny_models, tmp_path_factory, bundled_path):
+    """A tiny model with every linear layer packed (the bundled model's are large enough
+    anyway; a tiny model's are not, by default)."""
+    if request.param == "mistral":
+        path = make_checkpoint(str(tmp_path_factory.mktemp("mistral") / "m"), MISTRAL,
+                               tokenizer_from=bundled_path, seed=3)
+    else:  # GQA and llama3 rope scaling; q/k/v biases
+        path = tiny_models[request.param]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_gemm, "PACK_MIN_NUMEL", 0)
+        llm = LLM(path, show_progress=False, max_model_len=256, block_size=4)
+    return llm
+
+
+def _compared(llm):
+    """Wrap the loop so every step it serves is checked against the Python forward on the
+    same inputs (which writes the same K/V into the same slots again); returns the count."""
+    runner = model_runner(llm)
+    loop = runner.cpu_decode
+    run, served = loop.run, []
+
+    def checked(input_ids, positions, meta):
+        hidden = run(input_ids, positions, meta)
+        if hidden is not None:
+            again = runner.model(input_ids, positions,
+                                 runner.attention_backend.build_metadata(meta, runner.block_size))
+            assert torch.equal(hidden, again)
+            served.append(meta.num_decodes)
+        return hidden
+
+    loop.run = checked
+    return served, lambda: vars(loop).pop("run")
+
+
+def test_decode_steps_equal_the_python_forward(packed_llm):
+    served, restore = _compared(packed_llm)
+    try:
+        outs = packed_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                   use_tqdm=False)
+    finally:
+        restore()
+    assert served and max(served) == len(PROMPTS)  # all four decode side by side
+    eager = LLM(model_runner(packed_llm).config.model_config.model_path, show_progress=False,
+                max_model_len=256, block_size=4, enforce_eager=True)
+    assert model_runner(eager).cpu_decode is None
+    assert ([o.outputs[0].token_ids for o in outs] ==
+            [o.outputs[0].token_ids for o in eager.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)])
+
+
+def _one_decode_step(llm):
+    """Runs a prompt to its decode steps; returns how many the loop served."""
+    served, restore = _compared(llm)
+    try:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        restore()
+    return len(served)
+
+
+@pytest.fixture
+def llama(tiny_llama):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_gemm, "PACK_MIN_NUMEL", 0)
+        return LLM(tiny_llama, show_progress=False, max_model_len=256)
+
+
+def test_the_python_forward_runs_wherever_something_was_changed(llama):
+    runner = model_runner(llama)
+    model, layer = runner.model, runner.model.model.layers[1]
+    assert _one_decode_step(llama) == 2
+    seen = []
+    handle = layer.mlp.register_forward_hook(lambda *a: seen.append(1))
+    assert _one_decode_step(llama) == 0 and len(seen) == 3  # the prefill and both decodes
+    handle.remove()
+    forward = model.forward
+    model.forward = lambda *a, **k: seen.append(2) or forward(*a, **k)
+    assert _one_decode_step(llama) == 0 and seen.count(2) == 3
+    del model.forward
+    op = layer.mlp.act_fn.op
+    layer.mlp.act_fn.op = lambda x: seen.append(3) or op(x)
+    assert _one_decode_step(llama) == 0 and seen.count(3) == 3
+    layer.mlp.act_fn.op = op
+    backend_forward = layer.self_attn.backend.forward
+    layer.self_attn.backend.forward = lambda *a, **k: seen.append(4) or backend_forward(*a, **k)
+    assert _one_decode_step(llama) == 0 and seen.count(4) == 2 * 3  # two layers share it
+    del layer.self_attn.backend.forward
+    panels = layer.mlp.down_proj.panel_weight
+    cpu_gemm.unpack_linear_weights(model)
+    assert _one_decode_step(llama) == 0
+    layer.mlp.down_proj.panel_weight = panels
+    assert _one_decode_step(llama) == 0  # the others are still unpacked
+    cpu_gemm.pack_linear_weights(model, min_numel=0)
+    assert _one_decode_step(llama) == 2
+
+
+def test_only_pure_decode_batches_of_few_rows(llama):
+    loop = model_runner(llama).cpu_decode
+    served, restore = _compared(llama)
+    try:  # 40 decodes: more than the panels take, so the Python forward (and oneDNN) runs
+        llama.generate([{"prompt_token_ids": [7 + i, 8, 9]} for i in range(40)],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+        # a long prompt in chunks beside a decode: the mixed steps run in Python
+        llama.generate([{"prompt_token_ids": list(range(50, 250))}, {"prompt_token_ids": [3]}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    finally:
+        restore()
+    assert served and all(n <= cpu_gemm.FEW_ROWS_MAX for n in served)
+    with torch.enable_grad():  # autograd wanted: the kernels never serve it
+        assert loop._arguments() is not None
+        assert loop.run(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                        _decode_meta()) is None
+
+
+def _decode_meta():
+    from minivllm.attention.backend import AttentionMetadata
+    one = torch.ones(1, dtype=torch.int32)
+    return AttentionMetadata(num_actual_tokens=1, num_decodes=1, max_query_len=1, max_seq_len=1,
+                             query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                             seq_lens=one, block_tables=torch.zeros(1, 4, dtype=torch.int32),
+                             slot_mapping=torch.zeros(1, dtype=torch.int64))
+
+
+def test_a_slot_outside_the_cache_raises_and_the_engine_goes_on(llama):
+    runner = model_runner(llama)
+    meta = _decode_meta()
+    blocks, block_size = runner.kv_caches[0].shape[1:3]
+    meta.slot_mapping = torch.tensor([blocks * block_size], dtype=torch.int64)
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the KV cache"):
+        runner.cpu_decode.run(torch.tensor([5], dtype=torch.int32),
+                              torch.zeros(1, dtype=torch.int64), meta)
+    assert _one_decode_step(llama) == 2
+
+
+def test_engine_arguments_that_turn_it_off(tiny_llama):
+    from minivllm.config import EngineArgs
+
+    def flag(**kw):
+        return EngineArgs(model=tiny_llama, **kw).create_config() \
+            .compilation_config.use_cpu_decode_loop
+
+    assert flag() and not flag(enforce_eager=True) and not flag(compile=True)
+    assert not flag(tensor_parallel_size=2)
