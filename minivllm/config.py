@@ -86,7 +86,7 @@ _CLI_HELP: dict[str, tuple[str, tuple | None]] = {
     "long_prefill_token_threshold": ("most tokens one prompt may take in a step (0: no limit)",
                                      None),
     "attention_backend": ("default: triton on CUDA, torch elsewhere", ATTENTION_BACKENDS),
-    "enforce_eager": ("no CUDA graphs (nor a CPU's one-call decode layers)", None),
+    "enforce_eager": ("no CUDA graphs (nor a CPU's one-call decoder layers)", None),
     "compile": ("torch.compile the model's elementwise parts", None),
     "custom_ops": ("fused Triton kernels for RMSNorm, rotary, SiLU-and-mul (auto: with the "
                    "Triton attention backend, unless --compile)", CUSTOM_OPS),
@@ -292,7 +292,7 @@ class EngineArgs:
                 use_cuda_graph=device.type == "cuda" and not self.enforce_eager,
                 compile=self.compile,
                 use_custom_ops=use_custom_ops,
-                use_cpu_decode_loop=(device.type == "cpu" and not self.enforce_eager
+                use_cpu_layer_loop=(device.type == "cpu" and not self.enforce_eager
                                      and tp == 1 and not self.compile and not use_custom_ops),
             ),
             scheduler=self.scheduler,
@@ -464,8 +464,8 @@ class CompilationConfig:
     use_cuda_graph: bool
     compile: bool
     use_custom_ops: bool  # fused Triton elementwise kernels (resolved from custom_ops)
-    # a CPU's decode layers in one C++ call (``worker/cpu_decode.py``), where it can serve
-    use_cpu_decode_loop: bool = False
+    # a CPU step's decoder layers in one C++ call (``worker/cpu_layers.py``), where it can serve
+    use_cpu_layer_loop: bool = False
 
 
 @dataclass

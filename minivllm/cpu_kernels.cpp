@@ -1022,18 +1022,21 @@ at::Tensor race_sample(const at::Tensor &probs, const at::Tensor &keys) {
     return out;
 }
 
-/* ---- a whole decode step's layers in one call ----
+/* ---- a whole step's decoder layers in one call ----
  *
- * The decoder layers of model/llama.py for a batch of single-token decodes, each step the same
- * operators in the same order as the Python forward with these kernels swapped in (so the same
- * floats), without the Python between them: on a 2-core CPU the interpreter, the modules and
- * the dispatcher took about a fifth of a decode step, during which torch's other threads wait.
- * worker/cpu_decode.py says when the engine calls it. Per layer, `weights` holds six tensors
- * (the input norm's weight, qkv's panels, o_proj's, the post-attention norm's weight,
- * gate_up's panels, down's), then the final norm's weight; `qkv_biases` one per layer (None
- * without), `kv_caches` and `windows` (0: full attention) too; `heads` is (query heads, KV
- * heads, head_dim). hidden: the embedded tokens [n, hidden]; slots: where each token's K/V go.
- * Returns the final norm's output [n, hidden]. */
+ * The decoder layers of model/llama.py for one step's flattened batch (decodes first, then
+ * prefill chunks), the same operators in the same order as the Python forward runs them on a
+ * CPU with these kernels swapped in (so the same floats), without the Python between them: on
+ * a 2-core CPU the interpreter, the modules and the dispatcher took about a fifth of a decode
+ * step, while torch's other threads waited. worker/cpu_layers.py says when the engine calls
+ * it. Per layer, `weights` holds ten tensors: the input norm's weight, qkv's panels and oneDNN
+ * copy, o_proj's two, the post-attention norm's weight, gate_up's two, down's two; then the
+ * final norm's weight. `qkv_biases` holds one per layer (None without), `kv_caches` and
+ * `windows` (0: full attention) too; `heads` is (query heads, KV heads, head_dim). A linear
+ * layer of at most `few_rows` rows takes the panels, a larger one oneDNN (model/cpu_gemm.py's
+ * rule). hidden: the embedded tokens [n, hidden]; slots: where each token's K/V go; the
+ * first `num_decodes` of the sequences have one query token each. Returns the final norm's
+ * output [n, hidden]. */
 
 /* the n tokens' K and V rows into their slots of a [2, blocks, block_size, kv_heads, d] cache
  * (index_copy_ of each half, as the torch backend writes them) */
@@ -1045,52 +1048,82 @@ void write_kv(const at::Tensor &cache, const at::Tensor &k, const at::Tensor &v,
     const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
     for (int64_t t = 0; t < n; t++) {
         const int64_t s = slots[t];
-        TORCH_CHECK_INDEX(s >= 0 && s < num_slots, "decode_layers: slot ", s,
+        TORCH_CHECK_INDEX(s >= 0 && s < num_slots, "decoder_layers: slot ", s,
                           " outside the KV cache");
         std::copy_n(kp + t * k.stride(0), row, kc + s * row);
         std::copy_n(vp + t * v.stride(0), row, vc + s * row);
     }
 }
 
-at::Tensor decode_layers(const at::Tensor &hidden, const at::Tensor &positions,
-                         const at::Tensor &slots, const at::Tensor &block_tables,
-                         const at::Tensor &seq_lens, at::TensorList weights,
-                         const c10::List<std::optional<at::Tensor>> &qkv_biases,
-                         at::TensorList kv_caches, const at::Tensor &cos_sin,
-                         at::IntArrayRef windows, at::IntArrayRef heads, double eps,
-                         double scale) {
+/* x @ weight^T (+ bias): the panels for at most `few_rows` rows, else oneDNN's copy of the
+ * weight through torch's operator (mkldnn::_linear_pointwise, as cpu_gemm.linear calls it) */
+at::Tensor linear(const at::Tensor &x, const at::Tensor &panels, const at::Tensor &packed,
+                  const std::optional<at::Tensor> &bias, int64_t out_features, int64_t few_rows) {
+    if (x.size(0) <= few_rows) return few_rows_linear(x, panels, bias, out_features);
+    static const c10::OperatorHandle onednn =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    std::vector<c10::IValue> stack{x, packed, bias, std::string("none"),
+                                   c10::List<std::optional<at::Scalar>>(), std::string("")};
+    onednn.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+at::Tensor decoder_layers(const at::Tensor &hidden, const at::Tensor &positions,
+                          const at::Tensor &slots, const at::Tensor &block_tables,
+                          const at::Tensor &seq_lens, const at::Tensor &query_start_loc,
+                          int64_t num_decodes, at::TensorList weights,
+                          const c10::List<std::optional<at::Tensor>> &qkv_biases,
+                          at::TensorList kv_caches, const at::Tensor &cos_sin,
+                          at::IntArrayRef windows, at::IntArrayRef heads, double eps,
+                          double scale, int64_t few_rows) {
+    const char *op = "decoder_layers";
     const int64_t layers = (int64_t)kv_caches.size();
-    TORCH_CHECK_VALUE(heads.size() == 3 && (int64_t)weights.size() == 6 * layers + 1 &&
+    TORCH_CHECK_VALUE(heads.size() == 3 && (int64_t)weights.size() == 10 * layers + 1 &&
                       (int64_t)qkv_biases.size() == layers && (int64_t)windows.size() == layers,
-                      "decode_layers: six weights a layer and the final norm's, one bias, "
-                      "cache and window a layer, and (heads, kv_heads, head_dim)");
+                      op, ": ten weights a layer and the final norm's, one bias, cache and "
+                      "window a layer, and (heads, kv_heads, head_dim)");
+    check_float_rows(hidden, op, "hidden");
+    TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.is_contiguous(), op,
+                      ": hidden must be a contiguous [tokens, hidden]");
     TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                       slots.device().is_cpu() && slots.numel() == hidden.size(0),
-                      "decode_layers: slots must be int64, one per token");
-    const int64_t n = hidden.size(0), H = hidden.size(1);
+                      op, ": slots must be int64, one per token");
+    const int64_t n = hidden.size(0), H = hidden.size(1), seqs = seq_lens.size(0);
+    TORCH_CHECK_VALUE(num_decodes >= 0 && num_decodes <= seqs &&
+                      query_start_loc.size(0) == seqs + 1, op,
+                      ": num_decodes, seq_lens and query_start_loc disagree");
     const int64_t nh = heads[0], nkv = heads[1], d = heads[2];
-    const int64_t q_size = nh * d, kv_size = nkv * d;
+    const int64_t q_size = nh * d, kv_size = nkv * d, prefills = seqs - num_decodes;
     at::Tensor h = rms_norm(hidden, weights[0], eps), residual = hidden;
     for (int64_t l = 0; l < layers; l++) {
-        const at::Tensor *w = weights.data() + 6 * l;
+        const at::Tensor *w = weights.data() + 10 * l;
         if (l > 0) std::tie(h, residual) = fused_add_rms_norm(h, residual, w[0], eps);
-        const at::Tensor qkv = few_rows_linear(h, w[1], qkv_biases.get(l), q_size + 2 * kv_size);
+        const at::Tensor qkv =
+            linear(h, w[1], w[2], qkv_biases.get(l), q_size + 2 * kv_size, few_rows);
         const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv, d});
         auto [q, k] = rotary_embedding(positions, qkv.narrow(1, 0, q_size).view({n, nh, d}),
                                        qkv.narrow(1, q_size, kv_size).view({n, nkv, d}),
                                        cos_sin);
         const at::Tensor &cache = kv_caches[l];
-        check_attention_rows(q, cache, q, "decode_layers");
-        TORCH_CHECK_VALUE(cache.size(3) == nkv, "decode_layers: a cache of another KV head count");
+        check_attention_rows(q, cache, q, op);
+        TORCH_CHECK_VALUE(cache.size(3) == nkv, op, ": a cache of another KV head count");
         write_kv(cache, k, v, slots.data_ptr<int64_t>(), n);
         at::Tensor out = at::empty(q.sizes(), q.options());
-        paged_decode(q, cache, block_tables, seq_lens, scale, out, windows[l], 0);
-        h = few_rows_linear(out.view({n, q_size}), w[2], std::nullopt, H);
-        std::tie(h, residual) = fused_add_rms_norm(h, residual, w[3], eps);
-        h = few_rows_linear(h, w[4], std::nullopt, 2 * w[5].size(1));
-        h = few_rows_linear(silu_and_mul(h), w[5], std::nullopt, H);
+        if (num_decodes)
+            paged_decode(q.narrow(0, 0, num_decodes), cache, block_tables,
+                         seq_lens.narrow(0, 0, num_decodes), scale,
+                         out.narrow(0, 0, num_decodes), windows[l], 0);
+        if (prefills)
+            paged_prefill(q, cache, block_tables.narrow(0, num_decodes, prefills),
+                          seq_lens.narrow(0, num_decodes, prefills),
+                          query_start_loc.narrow(0, num_decodes, prefills + 1), scale, out,
+                          windows[l], 0);
+        h = linear(out.view({n, q_size}), w[3], w[4], std::nullopt, H, few_rows);
+        std::tie(h, residual) = fused_add_rms_norm(h, residual, w[5], eps);
+        h = linear(h, w[6], w[7], std::nullopt, 2 * w[8].size(1), few_rows);
+        h = linear(silu_and_mul(h), w[8], w[9], std::nullopt, H, few_rows);
     }
-    return std::get<0>(fused_add_rms_norm(h, residual, weights[6 * layers], eps));
+    return std::get<0>(fused_add_rms_norm(h, residual, weights[10 * layers], eps));
 }
 
 }  // namespace
@@ -1111,9 +1144,10 @@ TORCH_LIBRARY(minivllm_cpu, m) {
     m.def("race_sample(Tensor probs, Tensor keys) -> Tensor");
     m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
           "Tensor query_start_loc, float scale, Tensor(a!) out, int window, int parts) -> ()");
-    m.def("decode_layers(Tensor hidden, Tensor positions, Tensor slots, Tensor block_tables, "
-          "Tensor seq_lens, Tensor[] weights, Tensor?[] qkv_biases, Tensor(a!)[] kv_caches, "
-          "Tensor cos_sin_cache, int[] windows, int[] heads, float eps, float scale) -> Tensor");
+    m.def("decoder_layers(Tensor hidden, Tensor positions, Tensor slots, Tensor block_tables, "
+          "Tensor seq_lens, Tensor query_start_loc, int num_decodes, Tensor[] weights, "
+          "Tensor?[] qkv_biases, Tensor(a!)[] kv_caches, Tensor cos_sin_cache, int[] windows, "
+          "int[] heads, float eps, float scale, int few_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
@@ -1126,5 +1160,10 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("race_sample", &race_sample);
     m.impl("paged_prefill", &paged_prefill);
-    m.impl("decode_layers", &decode_layers);
+    m.impl("decoder_layers", &decoder_layers);
+}
+
+/* oneDNN's copies of the weights are tensors of torch's MkldnnCPU backend */
+TORCH_LIBRARY_IMPL(minivllm_cpu, MkldnnCPU, m) {
+    m.impl("decoder_layers", &decoder_layers);
 }

@@ -20,8 +20,8 @@ Per step (vLLM v1's ``GPUModelRunner``, chapter 10):
 It also owns the KV cache tensors (one per layer), picks the elementwise ops (fused Triton
 kernels, ``torch.compile``, C kernels on a CPU in float32 (``cpu_kernels``), or plain torch:
 ``EngineConfig.compilation_config``), and on CUDA replays decode steps from CUDA graphs
-(``cuda_graphs.py``), on a CPU runs their layers in one C++ call (``cpu_decode.py``; both off
-with ``enforce_eager``).
+(``cuda_graphs.py``), on a CPU runs a step's decoder layers in one C++ call
+(``cpu_layers.py``; both off with ``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from minivllm.model.cpu_gemm import pack_linear_weights, should_pack
 from minivllm.model.layers import NATIVE_OPS, use_elementwise_ops
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import Sampler, SamplingMetadata
-from minivllm.worker.cpu_decode import CpuDecodeLoop
+from minivllm.worker.cpu_layers import CpuDecoderLayers
 from minivllm.worker.cuda_graphs import DecodeCudaGraphs, cudagraph_batch_sizes
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.utils import cdiv
@@ -117,7 +117,7 @@ class ModelRunner:
             self.cpu_ops = cpu_elementwise_ops(NATIVE_OPS)
             use_elementwise_ops(self.model, self.cpu_ops or NATIVE_OPS)
         self.cuda_graphs: DecodeCudaGraphs | None = None
-        self.cpu_decode: CpuDecodeLoop | None = None  # the CPU's one-call decode layers
+        self.cpu_layers: CpuDecoderLayers | None = None  # a CPU step's layers in one call
         self.sampler = (config.sampler_cls or Sampler)()
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
@@ -215,8 +215,8 @@ class ModelRunner:
         if (self.config.compilation_config.use_cuda_graph
                 and self.attention_backend.supports_cuda_graph):
             self.capture_model()
-        if self.config.compilation_config.use_cpu_decode_loop:
-            self.cpu_decode = CpuDecodeLoop.create(self.model, self.cpu_ops, self.kv_caches)
+        if self.config.compilation_config.use_cpu_layer_loop:
+            self.cpu_layers = CpuDecoderLayers.create(self.model, self.cpu_ops, self.kv_caches)
 
     def capture_model(self, capture: bool = True) -> None:
         """Record decode steps as CUDA graphs over the runner's own step buffers.
@@ -391,8 +391,8 @@ class ModelRunner:
         hidden = None
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
-        elif self.cpu_decode is not None:
-            hidden = self.cpu_decode.run(input_ids, positions, meta)
+        elif self.cpu_layers is not None:
+            hidden = self.cpu_layers.run(input_ids, positions, meta)
         if hidden is None:
             attn_meta = self.attention_backend.build_metadata(meta, self.block_size)
             hidden = self.model(input_ids, positions, attn_meta)

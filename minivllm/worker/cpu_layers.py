@@ -1,26 +1,28 @@
-"""A CPU decode step's layers in one C++ call: the CPU's counterpart of the CUDA graphs.
+"""A CPU step's decoder layers in one C++ call: the CPU's counterpart of the CUDA graphs.
 
 On a GPU, a small model's decode step is hundreds of kernel launches that the CPU issues one by
 one, and CUDA graphs replay them in one call (``cuda_graphs.py``). A CPU has the same problem
 in another form: between two kernels the interpreter runs the modules' ``forward`` methods,
 picks the ops and goes through torch's dispatcher, while torch's other threads wait for the
 next parallel loop. On a 2-core machine that was about a fifth of a decode step of
-SmolLM2-135M at 16 sequences (``perf``: the main thread outside the kernels ~21 % of its
-time, the second thread waiting in OpenMP as long).
+SmolLM2-135M at 16 sequences (``perf``: the main thread outside the kernels about 21 % of its
+time, the second thread waiting in OpenMP about as long).
 
-``CpuDecodeLoop`` hands a pure-decode batch to ``minivllm_cpu::decode_layers``
-(``cpu_kernels.cpp``), which runs every decoder layer with the same kernels in the same order
-as the Python forward does on a CPU (the C elementwise ops, the panels of
-``model/cpu_gemm.py``, ``paged_decode``), so it returns the same floats. The embedding, the
-lm_head and the sampler stay in Python.
+``CpuDecoderLayers`` hands the step to ``minivllm_cpu::decoder_layers`` (``cpu_kernels.cpp``),
+which runs every decoder layer with the same kernels in the same order as the Python forward
+does on a CPU (the C elementwise ops; ``model/cpu_gemm.py``'s panels for a few rows, oneDNN
+for more; ``paged_decode`` and ``paged_prefill``), so it returns the same floats. The
+embedding, the lm_head and the sampler stay in Python.
 
 Like a CUDA graph, it bypasses whatever Python the forward would have run, so it serves only
-when nothing was changed there: the engine's own Llama-family model at tensor-parallel size 1,
-float32, each elementwise module still on the C op the runner gave it, the torch attention
-backend in every layer, no forward hooks, no ``forward`` replaced on the model (the course
-records forwards that way), every linear layer with panels, no per-head q/k norm (Qwen3), at
-most ``FEW_ROWS_MAX`` sequences. Anything else runs the Python forward. ``enforce_eager``
-turns it off, as it turns the CUDA graphs off.
+while nothing there was changed: the engine's own Llama-family model at tensor-parallel size
+1, float32, every linear layer packed, each elementwise module still on the C op the runner
+gave it, the torch attention backend in every layer, no forward hooks, no ``forward`` replaced
+on the model (the course records forwards that way), no per-head q/k norm (Qwen3), and a head
+size the prefill kernel takes (a multiple of 16) when the step has prefill chunks. It reads
+all of that from the model every step (about 0.5 ms for the bundled model), so a change is
+seen at the next step; anything else runs the Python forward. ``enforce_eager`` turns it off,
+as it turns the CUDA graphs off.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ def _hooked(module: nn.Module) -> bool:
                 or "forward" in module.__dict__)
 
 
-class CpuDecodeLoop:
-    """Runs pure-decode batches of ``model`` through ``decode_layers``; ``ops`` are the
-    elementwise ops the runner gave the model (``cpu_elementwise_ops``)."""
+class CpuDecoderLayers:
+    """Runs a step's decoder layers through ``decoder_layers``; ``ops`` are the elementwise
+    ops the runner gave the model (``cpu_elementwise_ops``)."""
 
     def __init__(self, model: LlamaForCausalLM, ops: dict, kv_caches: list[torch.Tensor],
                  library) -> None:
         self.model, self.ops, self.kv_caches = model, ops, kv_caches
-        self.run_layers = library.decode_layers.default
+        self.run_layers = library.decoder_layers.default
 
     @classmethod
     def create(cls, model: nn.Module, ops: dict | None, kv_caches: list[torch.Tensor]):
@@ -60,9 +62,8 @@ class CpuDecodeLoop:
         return cls(model, ops, kv_caches, library)
 
     def _arguments(self) -> tuple | None:
-        """The layers' weights, biases, windows and constants as ``decode_layers`` takes them,
-        read from the model every step (so a change to it is seen), or None where the loop
-        must not serve."""
+        """The layers' weights, biases, windows and constants as ``decoder_layers`` takes them,
+        read from the model, or None where the loop must not serve."""
         model = self.model
         if _hooked(model) or _hooked(model.model) or torch.nn.modules.module._global_forward_hooks:
             return None
@@ -87,8 +88,11 @@ class CpuDecodeLoop:
             if eps not in (None, norms[0].eps) or norms[0].eps != norms[1].eps:
                 return None
             eps, scale, rotary = norms[0].eps, attn.scale, attn.rotary_emb
-            qkv, o, gate_up, down = (lin.panel_weight for lin in linears)
-            weights += [norms[0].weight, qkv, o, norms[1].weight, gate_up, down]
+            weights.append(norms[0].weight)
+            for i, lin in enumerate(linears):
+                if i == 2:
+                    weights.append(norms[1].weight)
+                weights += [lin.panel_weight, lin.packed_weight]
             biases.append(attn.qkv_proj.bias)
             windows.append(attn.sliding_window or 0)
         final = model.model.norm
@@ -101,22 +105,24 @@ class CpuDecodeLoop:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final norm's output for a batch of single-token decodes, or None (nothing run)
-        where the loop does not serve this batch: the caller then runs the Python forward."""
+        """The final norm's output for the step, or None (nothing run) where the loop does not
+        serve it: the caller then runs the Python forward."""
         n = meta.num_actual_tokens
-        if not (0 < n <= FEW_ROWS_MAX and meta.num_decodes == n == meta.num_seqs
-                and not torch.is_grad_enabled()):
+        if not n or torch.is_grad_enabled():
             return None
         arguments = self._arguments()
         if arguments is None:
             return None
         weights, biases, windows, heads, eps, scale, rotary = arguments
+        if meta.num_prefills and heads[2] % 16:  # the prefill kernel's head sizes
+            return None
         hidden = self.model.model.embed_tokens(input_ids[:n])
         if not (cpu_kernels.few_rows_fit(hidden) and hidden.is_contiguous()):
             return None
-        pos = positions[:n].to(torch.int64).contiguous()
+        rows = cpu_kernels._int32_rows
         return self.run_layers(
-            hidden, pos, meta.slot_mapping[:n].to(torch.int64).contiguous(),
-            cpu_kernels._int32_rows(meta.block_tables), cpu_kernels._int32_rows(meta.seq_lens[:n]),
-            weights, biases, self.kv_caches, rotary.cos_sin_cache(hidden.device), windows, heads,
-            eps, scale)
+            hidden, positions[:n].to(torch.int64).contiguous(),
+            meta.slot_mapping[:n].to(torch.int64).contiguous(), rows(meta.block_tables),
+            rows(meta.seq_lens), rows(meta.query_start_loc), meta.num_decodes, weights, biases,
+            self.kv_caches, rotary.cos_sin_cache(hidden.device), windows, heads, eps, scale,
+            FEW_ROWS_MAX)

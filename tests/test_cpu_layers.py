@@ -1,12 +1,14 @@
-"""A CPU decode step's layers in one C++ call (``minivllm/worker/cpu_decode.py``,
-``decode_layers`` in ``minivllm/cpu_kernels.cpp``): the same floats as the Python forward, and
-the Python forward wherever something the loop would bypass was changed."""
+"""A CPU step's decoder layers in one C++ call (``minivllm/worker/cpu_layers.py``,
+``decoder_layers`` in ``minivllm/cpu_kernels.cpp``): the same floats as the Python forward, for
+decodes and prefill chunks, panels and oneDNN alike, and the Python forward wherever something
+the loop would bypass was changed."""
 
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams, cpu_kernels
 from minivllm.model import cpu_gemm
+from minivllm.course.swap import swapped_scheduler
 from minivllm.testing import make_checkpoint, model_runner
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +42,7 @@ def _compared(llm):
     """Wrap the loop so every step it serves is checked against the Python forward on the
     same inputs (which writes the same K/V into the same slots again); returns the count."""
     runner = model_runner(llm)
-    loop = runner.cpu_decode
+    loop = runner.cpu_layers
     run, served = loop.run, []
 
     def checked(input_ids, positions, meta):
@@ -49,7 +51,7 @@ def _compared(llm):
             again = runner.model(input_ids, positions,
                                  runner.attention_backend.build_metadata(meta, runner.block_size))
             assert torch.equal(hidden, again)
-            served.append(meta.num_decodes)
+            served.append((meta.num_decodes, meta.num_actual_tokens))
         return hidden
 
     loop.run = checked
@@ -63,17 +65,18 @@ def test_decode_steps_equal_the_python_forward(packed_llm):
                                    use_tqdm=False)
     finally:
         restore()
-    assert served and max(served) == len(PROMPTS)  # all four decode side by side
+    assert (len(PROMPTS), len(PROMPTS)) in served  # all four decode side by side
+    assert any(tokens > decodes for decodes, tokens in served)  # and the prefill step
     eager = LLM(model_runner(packed_llm).config.model_config.model_path, show_progress=False,
                 max_model_len=256, block_size=4, enforce_eager=True)
-    assert model_runner(eager).cpu_decode is None
+    assert model_runner(eager).cpu_layers is None
     assert ([o.outputs[0].token_ids for o in outs] ==
             [o.outputs[0].token_ids for o in eager.generate(
                 [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)])
 
 
-def _one_decode_step(llm):
-    """Runs a prompt to its decode steps; returns how many the loop served."""
+def _three_steps(llm):
+    """Runs a prompt and two decode steps; returns how many steps the loop served."""
     served, restore = _compared(llm)
     try:
         llm.generate([{"prompt_token_ids": PROMPTS[0]}],
@@ -93,46 +96,48 @@ def llama(tiny_llama):
 def test_the_python_forward_runs_wherever_something_was_changed(llama):
     runner = model_runner(llama)
     model, layer = runner.model, runner.model.model.layers[1]
-    assert _one_decode_step(llama) == 2
+    assert _three_steps(llama) == 3  # the prefill and both decodes
     seen = []
     handle = layer.mlp.register_forward_hook(lambda *a: seen.append(1))
-    assert _one_decode_step(llama) == 0 and len(seen) == 3  # the prefill and both decodes
+    assert _three_steps(llama) == 0 and len(seen) == 3  # the prefill and both decodes
     handle.remove()
     forward = model.forward
     model.forward = lambda *a, **k: seen.append(2) or forward(*a, **k)
-    assert _one_decode_step(llama) == 0 and seen.count(2) == 3
+    assert _three_steps(llama) == 0 and seen.count(2) == 3
     del model.forward
     op = layer.mlp.act_fn.op
     layer.mlp.act_fn.op = lambda x: seen.append(3) or op(x)
-    assert _one_decode_step(llama) == 0 and seen.count(3) == 3
+    assert _three_steps(llama) == 0 and seen.count(3) == 3
     layer.mlp.act_fn.op = op
     backend_forward = layer.self_attn.backend.forward
     layer.self_attn.backend.forward = lambda *a, **k: seen.append(4) or backend_forward(*a, **k)
-    assert _one_decode_step(llama) == 0 and seen.count(4) == 2 * 3  # two layers share it
+    assert _three_steps(llama) == 0 and seen.count(4) == 2 * 3  # two layers share it
     del layer.self_attn.backend.forward
     panels = layer.mlp.down_proj.panel_weight
     cpu_gemm.unpack_linear_weights(model)
-    assert _one_decode_step(llama) == 0
+    assert _three_steps(llama) == 0
     layer.mlp.down_proj.panel_weight = panels
-    assert _one_decode_step(llama) == 0  # the others are still unpacked
+    assert _three_steps(llama) == 0  # the others are still unpacked
     cpu_gemm.pack_linear_weights(model, min_numel=0)
-    assert _one_decode_step(llama) == 2
+    assert _three_steps(llama) == 3
 
 
-def test_only_pure_decode_batches_of_few_rows(llama):
-    loop = model_runner(llama).cpu_decode
+def test_many_rows_take_onednn_and_prefill_chunks_share_steps_with_decodes(llama):
     served, restore = _compared(llama)
-    try:  # 40 decodes: more than the panels take, so the Python forward (and oneDNN) runs
+    try:  # 40 decodes: more rows than the panels take
         llama.generate([{"prompt_token_ids": [7 + i, 8, 9]} for i in range(40)],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
-        # a long prompt in chunks beside a decode: the mixed steps run in Python
-        llama.generate([{"prompt_token_ids": list(range(50, 250))}, {"prompt_token_ids": [3]}],
-                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
+        with swapped_scheduler(llama, max_num_batched_tokens=64):  # a long prompt in chunks
+            llama.generate([{"prompt_token_ids": [3]}, {"prompt_token_ids": list(range(50, 250))}],
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
     finally:
         restore()
-    assert served and all(n <= cpu_gemm.FEW_ROWS_MAX for n in served)
+    assert (0, 120) in served and (40, 40) in served  # 40 prompts of 3 tokens; 40 decodes
+    assert any(0 < decodes and tokens - decodes > cpu_gemm.FEW_ROWS_MAX
+               for decodes, tokens in served)  # a decode beside a chunk of the long prompt
+    loop = model_runner(llama).cpu_layers
     with torch.enable_grad():  # autograd wanted: the kernels never serve it
         assert loop._arguments() is not None
         assert loop.run(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
@@ -154,9 +159,9 @@ def test_a_slot_outside_the_cache_raises_and_the_engine_goes_on(llama):
     blocks, block_size = runner.kv_caches[0].shape[1:3]
     meta.slot_mapping = torch.tensor([blocks * block_size], dtype=torch.int64)
     with torch.inference_mode(), pytest.raises(IndexError, match="outside the KV cache"):
-        runner.cpu_decode.run(torch.tensor([5], dtype=torch.int32),
+        runner.cpu_layers.run(torch.tensor([5], dtype=torch.int32),
                               torch.zeros(1, dtype=torch.int64), meta)
-    assert _one_decode_step(llama) == 2
+    assert _three_steps(llama) == 3
 
 
 def test_engine_arguments_that_turn_it_off(tiny_llama):
@@ -164,7 +169,7 @@ def test_engine_arguments_that_turn_it_off(tiny_llama):
 
     def flag(**kw):
         return EngineArgs(model=tiny_llama, **kw).create_config() \
-            .compilation_config.use_cpu_decode_loop
+            .compilation_config.use_cpu_layer_loop
 
     assert flag() and not flag(enforce_eager=True) and not flag(compile=True)
     assert not flag(tensor_parallel_size=2)
