@@ -73,7 +73,9 @@ class ArrivalOrderAdmission(PriorityScheduler):
     admit_by_rank = False
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# 373: a step preempts two requests, which the trace lists as a set (the grader once took the
+# first listed for the first victim and failed the solution)
+@pytest.mark.parametrize("seed", [0, 1, 2, 373])
 def test_priority_solution_passes(seed, capsys):
     check_priority_scheduler(PriorityScheduler, seed=seed)
     assert "Exercise 5.3 passed" in capsys.readouterr().out

@@ -146,8 +146,10 @@ def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
                     ex.fail(f"at step {step} you admitted {show(r)} while {show(ahead[0])} "
                             "was waiting: the request that outranks it goes first.")
             running.update(admitted)
+            # a step's victims are a set (no order): each is checked against the requests that
+            # kept their blocks through the step
+            running.difference_update(entry["preempted"])
             for v in entry["preempted"]:
-                running.discard(v)
                 seen["preempted"] += 1
                 lower = [r for r in running if rank[r] > rank[v]]
                 if lower:
