@@ -101,6 +101,10 @@ def test_the_python_forward_runs_wherever_something_was_changed(llama):
     handle = layer.mlp.register_forward_hook(lambda *a: seen.append(1))
     assert _three_steps(llama) == 0 and len(seen) == 3  # the prefill and both decodes
     handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda *a: seen.append(5))  # a hook on every module
+    assert _three_steps(llama) == 0 and seen.count(5) > 3
+    handle.remove()
     forward = model.forward
     model.forward = lambda *a, **k: seen.append(2) or forward(*a, **k)
     assert _three_steps(llama) == 0 and seen.count(2) == 3

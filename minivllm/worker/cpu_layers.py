@@ -65,7 +65,9 @@ class CpuDecoderLayers:
         """The layers' weights, biases, windows and constants as ``decoder_layers`` takes them,
         read from the model, or None where the loop must not serve."""
         model = self.model
-        if _hooked(model) or _hooked(model.model) or torch.nn.modules.module._global_forward_hooks:
+        hooks = torch.nn.modules.module
+        if (_hooked(model) or _hooked(model.model) or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks):
             return None
         layers = model.model.layers
         weights, biases, windows = [], [], []
