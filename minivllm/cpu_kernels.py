@@ -275,7 +275,7 @@ def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and _heads_side_by_side(q))
 
 
-def _int32_rows(x: torch.Tensor) -> torch.Tensor:
+def int32_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as int32 rows with a contiguous last dim (what the attention kernels index)."""
     return x if x.dtype == torch.int32 and x.stride(-1) == 1 else x.int().contiguous()
 
@@ -294,9 +294,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     n = q.shape[0]
     if n == 0:
         return True
-    fn(q, kv_cache, _int32_rows(block_tables), _int32_rows(seq_lens[:n]), scale, out,
+    fn(q, kv_cache, int32_rows(block_tables), int32_rows(seq_lens[:n]), scale, out,
        sliding_window or 0, num_threads or 0)
     return True
+
+
+def prefill_takes(head_dim: int) -> bool:
+    """Whether ``paged_prefill``'s kernel takes heads of this size (its tiles are 16 floats)."""
+    return head_dim % 16 == 0
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -309,12 +314,12 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     written) when the kernel is not available or the head size is not a multiple of 16; raises
     ``ValueError`` on bad input (then ``out`` may be partly written)."""
     ops = library()
-    if ops is None or q.shape[-1] % 16 or not _heads_side_by_side(out):
+    if ops is None or not prefill_takes(q.shape[-1]) or not _heads_side_by_side(out):
         return False
     if seq_lens.shape[0] == 0:
         return True
-    ops.paged_prefill.default(q, kv_cache, _int32_rows(block_tables), _int32_rows(seq_lens),
-                              _int32_rows(query_start_loc), scale, out, sliding_window or 0,
+    ops.paged_prefill.default(q, kv_cache, int32_rows(block_tables), int32_rows(seq_lens),
+                              int32_rows(query_start_loc), scale, out, sliding_window or 0,
                               num_threads or 0)
     return True
 

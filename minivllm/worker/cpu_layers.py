@@ -116,12 +116,12 @@ class CpuDecoderLayers:
         if arguments is None:
             return None
         weights, biases, windows, heads, eps, scale, rotary = arguments
-        if meta.num_prefills and heads[2] % 16:  # the prefill kernel's head sizes
+        if meta.num_prefills and not cpu_kernels.prefill_takes(heads[2]):
             return None
         hidden = self.model.model.embed_tokens(input_ids[:n])
         if not (cpu_kernels.few_rows_fit(hidden) and hidden.is_contiguous()):
             return None
-        rows = cpu_kernels._int32_rows
+        rows = cpu_kernels.int32_rows
         return self.run_layers(
             hidden, positions[:n].to(torch.int64).contiguous(),
             meta.slot_mapping[:n].to(torch.int64).contiguous(), rows(meta.block_tables),
