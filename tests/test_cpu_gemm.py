@@ -83,16 +83,30 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None,
 
 
 @needs_kernels
+def test_few_rows_results_do_not_depend_on_the_row_count():
+    """Each row's sums run in one order whatever the row count up to few_rows_max(), so a
+    request's logits do not depend on what shares its step (docs/hot_path.md)."""
+    layer = _layer(200, 576, True, seed=3)
+    cpu_gemm.pack_linear_weights(layer, min_numel=0)
+    x = torch.randn(cpu_gemm.few_rows_max(), 576)
+    alone = torch.cat([cpu_gemm.linear(layer, x[i:i + 1]) for i in range(len(x))])
+    for rows in (7, 16, 29, len(x)):
+        assert torch.equal(cpu_gemm.linear(layer, x[:rows]), alone[:rows]), rows
+
+
+@needs_kernels
 @pytest.mark.parametrize("out_features,in_features,bias", [
     (37, 19, True),     # neither a multiple of 16 outputs nor of 8 inputs: the last panel partial
     (48, 64, False),
+    (30, 40, True),     # one pair of panels, its second one partial
     (200, 576, True)])  # the bundled model's input width, threads sharing the panels
 def test_few_rows_equal_f_linear(out_features, in_features, bias):
     layer = _layer(out_features, in_features, bias, seed=out_features)
     assert cpu_gemm.pack_linear_weights(layer, min_numel=0) == 1
     panels = layer.panel_weight
     assert panels.shape == ((out_features + 15) // 16, in_features, 16)
-    for rows in [*range(1, 15), 16, 23, 24, 25, cpu_gemm.FEW_ROWS_MAX]:  # every tile split
+    # every tile split (one-panel tiles of 6 or 16 rows, pairs of 14)
+    for rows in [*range(1, 17), 23, 24, 25, 28, 29, 42, 43, 64, cpu_gemm.few_rows_max()]:
         x = torch.randn(rows, in_features)
         got = torch.ops.minivllm_cpu.few_rows_linear(x, panels, layer.bias, out_features)
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias),
@@ -115,7 +129,8 @@ def test_linear_takes_the_panels_for_few_rows_only(monkeypatch):
     real = cpu_gemm._few_rows_linear
     monkeypatch.setattr(cpu_gemm, "_few_rows_linear",
                         lambda x, *args: taken.append(x.shape[0]) or real(x, *args))
-    for rows in (1, cpu_gemm.FEW_ROWS_MAX, cpu_gemm.FEW_ROWS_MAX + 1):
+    most = cpu_gemm.few_rows_max()
+    for rows in (1, most, most + 1):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(cpu_gemm.linear(layer, x), F.linear(x, layer.weight),
                                    rtol=1e-5, atol=1e-5)
@@ -123,7 +138,7 @@ def test_linear_takes_the_panels_for_few_rows_only(monkeypatch):
     cpu_gemm.linear(layer, strided)
     with torch.enable_grad():  # autograd: oneDNN's (the course's models with gradients)
         cpu_gemm.linear(layer, torch.randn(2, 32, requires_grad=True))
-    assert taken == [1, cpu_gemm.FEW_ROWS_MAX]
+    assert taken == [1, most]
 
 
 @needs_kernels

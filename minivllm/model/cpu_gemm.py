@@ -18,7 +18,7 @@ float rounding (another summation order), so greedy outputs could in principle d
 near tie; the equivalence tests against transformers run with it (``tests/test_cpu_gemm.py``
 packs a tiny model's every weight).
 
-A decode step's few rows (up to ``FEW_ROWS_MAX``) take a kernel of minivllm's own instead
+A decode step's few rows (up to ``few_rows_max()``) take a kernel of minivllm's own instead
 (``few_rows_linear`` in ``cpu_kernels.cpp``), over a third copy of each packed weight laid out
 as panels of 16 outputs, ``layer.panel_weight``: a decode step's matmuls only stream the weights
 from memory once, and that kernel keeps the stream going while it computes (it prefetches
@@ -52,8 +52,20 @@ ENV = "MINIVLLM_CPU_GEMM"  # "auto" (default), "onednn" or "torch"
 # through F.linear for 1 row, 4.82 vs 5.93 ms for 8 (about equal from 40 rows up), while
 # 256 x 256 ones were 0.36-0.76x as fast packed below 256 rows.
 PACK_MIN_NUMEL = 1 << 18
-# at most this many rows go through the panels (``few_rows_linear``), more through oneDNN
+# at most this many rows go through the panels (``few_rows_linear``), more through oneDNN,
+# unless the library says otherwise for this CPU (``few_rows_max``)
 FEW_ROWS_MAX = 32
+_few_rows_max: int | None = None
+
+
+def few_rows_max() -> int:
+    """The most rows the panels take, more going to oneDNN: the library's figure for the CPU it
+    was built for (where its two-panel tiles run, AVX-512, 128), else ``FEW_ROWS_MAX``."""
+    global _few_rows_max
+    if _few_rows_max is None:
+        ops = cpu_kernels.library()
+        _few_rows_max = int(ops.few_rows_max()) if ops is not None else FEW_ROWS_MAX
+    return _few_rows_max
 
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +76,7 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if packed is None:
         return F.linear(x, layer.weight, bias)
     panels = getattr(layer, "panel_weight", None)
-    if (panels is not None and x.numel() <= FEW_ROWS_MAX * x.shape[-1]
+    if (panels is not None and x.numel() <= (_few_rows_max or few_rows_max()) * x.shape[-1]
             and cpu_kernels.few_rows_fit(x) and (bias is None or cpu_kernels.few_rows_fit(bias))):
         return _few_rows_linear(x, panels, bias, layer.weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -33,7 +33,7 @@ from torch import nn
 from minivllm import cpu_kernels
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_backend import TorchAttentionBackend
-from minivllm.model.cpu_gemm import FEW_ROWS_MAX
+from minivllm.model.cpu_gemm import few_rows_max
 from minivllm.model.llama import LlamaForCausalLM
 
 
@@ -127,4 +127,4 @@ class CpuDecoderLayers:
             meta.slot_mapping[:n].to(torch.int64).contiguous(), rows(meta.block_tables),
             rows(meta.seq_lens), rows(meta.query_start_loc), meta.num_decodes, weights, biases,
             self.kv_caches, rotary.cos_sin_cache(hidden.device), windows, heads, eps, scale,
-            FEW_ROWS_MAX)
+            few_rows_max())
