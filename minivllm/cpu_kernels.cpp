@@ -497,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
  * against 34.5 with the 8-float vectors, a decode step of 16 sequences 52-57 ms against 58-60).
  * The loops over the R rows must be unrolled (the pragmas): left to itself the compiler kept the
  * sums of R = 4..8 in memory, at a third of the speed. With AVX-512 the panels go two at a time
- * (pair_tile, up to 14 rows of 32 outputs), which needs fewer loads per multiply-add (the
+ * (wide_tile, up to 14 rows of 32 outputs), which needs fewer loads per multiply-add (the
  * bundled model's 121 weights on the 2-core Xeon: 16 rows 26.9 ms against 29.4-30.6 one panel
  * at a time, 32 rows 40.6 against 46.5, 64 rows 66.6 against 79.2, where oneDNN takes 81.8). More rows than R take more tiles of about
  * equal size, the later ones reading the panel from cache. The first tile asks for the panel's
@@ -588,47 +588,51 @@ constexpr int PAIR_ROWS = 14;  /* 28 sums and the two lines: 30 of the 32 vector
  * 16 rows 29.4 ms the bundled model's weights against 26.9 with the blocks) */
 constexpr int64_t PAIR_K = 64;
 
-/* sums[r][0:32] (+)= x[r, k0:k1] . the pair's lines k0..k1 for R rows */
-template <int R>
-static inline __attribute__((always_inline)) void pair_tile(
+/* sums[r * ld + 0 : NP * 16] (+)= x[r, k0:k1] . lines k0..k1 of NP panels side by side (one
+ * `K * PANEL` floats after another) for R rows, R * NP + NP <= 32 (the sums and one line of each
+ * panel in registers) */
+template <int NP, int R>
+static inline __attribute__((always_inline)) void wide_tile(
         const float *x, int64_t x_stride, const float *panel, int64_t K, int64_t k0, int64_t k1,
-        float *sums, bool first, bool prefetch) {
-    const float *second = panel + K * PANEL;
-    vec16 lo[R], hi[R];
+        float *sums, int64_t ld, bool first, bool prefetch) {
+    vec16 acc[R][NP];
 #pragma GCC unroll 32
-    for (int r = 0; r < R; r++) {
-        lo[r] = first ? vec16{} : load16(sums + r * 2 * PANEL);
-        hi[r] = first ? vec16{} : load16(sums + r * 2 * PANEL + PANEL);
-    }
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++)
+            acc[r][j] = first ? vec16{} : load16(sums + r * ld + j * PANEL);
     for (int64_t k = k0; k < k1; k++) {
-        if (prefetch) {
-            __builtin_prefetch(panel + k * PANEL + PREFETCH_FLOATS, 0, 1);
-            __builtin_prefetch(second + k * PANEL + PREFETCH_FLOATS, 0, 1);
+        vec16 w[NP];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) {
+            if (prefetch) __builtin_prefetch(panel + (j * K + k) * PANEL + PREFETCH_FLOATS, 0, 1);
+            w[j] = load16(panel + (j * K + k) * PANEL);
+            asm("" : "+v"(w[j]));
         }
-        vec16 w0 = load16(panel + k * PANEL), w1 = load16(second + k * PANEL);
-        asm("" : "+v"(w0), "+v"(w1));
 #pragma GCC unroll 32
         for (int r = 0; r < R; r++) {
             const vec16 xk = vec16{} + x[r * x_stride + k];
-            lo[r] += xk * w0;
-            hi[r] += xk * w1;
+#pragma GCC unroll 4
+            for (int j = 0; j < NP; j++) acc[r][j] += xk * w[j];
         }
     }
 #pragma GCC unroll 32
-    for (int r = 0; r < R; r++) {
-        *(vec16_unaligned *)(sums + r * 2 * PANEL) = lo[r];
-        *(vec16_unaligned *)(sums + r * 2 * PANEL + PANEL) = hi[r];
-    }
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) *(vec16_unaligned *)(sums + r * ld + j * PANEL) = acc[r][j];
 }
 
-template <int R>
-static void pair_rows(const float *x, int64_t x_stride, int64_t M, const float *panel, int64_t K,
-                      int64_t k0, int64_t k1, float *sums, bool first, bool prefetch) {
+/* one tile of M <= R rows (R counts down to M) */
+template <int NP, int R>
+static void wide_rows(const float *x, int64_t x_stride, int64_t M, const float *panel, int64_t K,
+                      int64_t k0, int64_t k1, float *sums, int64_t ld, bool first,
+                      bool prefetch) {
     if constexpr (R > 1) {
         if (M < R)
-            return pair_rows<R - 1>(x, x_stride, M, panel, K, k0, k1, sums, first, prefetch);
+            return wide_rows<NP, R - 1>(x, x_stride, M, panel, K, k0, k1, sums, ld, first,
+                                        prefetch);
     }
-    pair_tile<R>(x, x_stride, panel, K, k0, k1, sums, first, prefetch);
+    wide_tile<NP, R>(x, x_stride, panel, K, k0, k1, sums, ld, first, prefetch);
 }
 #endif
 
@@ -695,7 +699,7 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
     const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t P = panels.size(0);
 #ifdef __AVX512F__
-    /* panels two at a time (pair_tile); a lone last panel takes the one-panel tile */
+    /* panels two at a time (wide_tile); a lone last panel takes the one-panel tile */
     const int64_t step = 2;
     const int64_t pair_tiles = (M + PAIR_ROWS - 1) / PAIR_ROWS;
 #else
@@ -716,9 +720,10 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
                     const int64_t k1 = std::min(K, k0 + PAIR_K);
                     for (int64_t t = 0; t < pair_tiles; t++) {  /* tiles of about equal size */
                         const int64_t m0 = M * t / pair_tiles, m1 = M * (t + 1) / pair_tiles;
-                        pair_rows<PAIR_ROWS>(xp + m0 * x_stride, x_stride, m1 - m0,
-                                             wp + g * K * PANEL, K, k0, k1,
-                                             sums.data() + m0 * 2 * PANEL, k0 == 0, t == 0);
+                        wide_rows<2, PAIR_ROWS>(xp + m0 * x_stride, x_stride, m1 - m0,
+                                                wp + g * K * PANEL, K, k0, k1,
+                                                sums.data() + m0 * 2 * PANEL, 2 * PANEL,
+                                                k0 == 0, t == 0);
                     }
                 }
                 for (int64_t r = 0; r < M; r++)
@@ -772,7 +777,11 @@ int64_t few_rows_max() {
  * 120 GFLOP/s against 63); one fresh 512-token chunk 2.6 against 4.8; one fresh 256-token chunk
  * 0.63 against 1.62. With AVX-512's 16-float vectors in the tiles and the softmax (another
  * machine, a 2-core Xeon, best of twenty): a fresh 512-token chunk 1.44-1.55 ms against 1.76 with
- * 8-float ones, about 200 GFLOP/s against 170. */
+ * 8-float ones, about 200 GFLOP/s against 170. There, too, the scores take three query heads at
+ * a time (wide_tile: each broadcast of a key's element serves three panels) and the value sums
+ * 64 floats of six queries at a time (pv_wide_tile: each value row's four vectors serve six
+ * queries): two 256-token chunks 1.32-1.36 ms against 1.49-1.50, a fresh 512-token chunk
+ * 1.42-1.45 against 1.51-1.52 (two runs each, alternated). */
 
 constexpr int64_t QUERY_TILE = PANEL, KEY_CHUNK = 16;
 typedef int32_t veci8 __attribute__((vector_size(32)));
@@ -809,7 +818,7 @@ static inline __attribute__((always_inline)) V exp_lanes(V x) {
  * to alpha; the running max m and sum l are updated. */
 template <typename V, typename VI>
 static inline __attribute__((always_inline)) void softmax_chunk(
-        float *S, int64_t n, int64_t c0, bool masked, float scale, const float *pos,
+        float *S, int64_t ld, int64_t n, int64_t c0, bool masked, float scale, const float *pos,
         const float *first, float *m, float *l, float *alpha) {
     typedef V V_unaligned __attribute__((aligned(4)));
     constexpr int64_t L = sizeof(V) / sizeof(float), Q = QUERY_TILE;
@@ -818,21 +827,21 @@ static inline __attribute__((always_inline)) void softmax_chunk(
         const V old = *(const V_unaligned *)(m + at);
         V top = old, sum = V{};
         for (int64_t c = 0; c < n; c++) {
-            V x = *(const V_unaligned *)(S + c * Q + at) * scale;
+            V x = *(const V_unaligned *)(S + c * ld + at) * scale;
             if (masked) {
                 const V key = V{} + (float)(c0 + c);
                 x = (key <= P) & (key >= F) ? x : V{} - 1e30f;
             }
-            *(V_unaligned *)(S + c * Q + at) = x;
+            *(V_unaligned *)(S + c * ld + at) = x;
             top = x > top ? x : top;
         }
         for (int64_t c = 0; c < n; c++) {
-            V e = exp_lanes<V, VI>(*(const V_unaligned *)(S + c * Q + at) - top);
+            V e = exp_lanes<V, VI>(*(const V_unaligned *)(S + c * ld + at) - top);
             if (masked) {
                 const V key = V{} + (float)(c0 + c);
                 e = (key <= P) & (key >= F) ? e : V{};
             }
-            *(V_unaligned *)(S + c * Q + at) = e;
+            *(V_unaligned *)(S + c * ld + at) = e;
             sum += e;
         }
         const V scale_old = exp_lanes<V, VI>(old - top);
@@ -842,13 +851,13 @@ static inline __attribute__((always_inline)) void softmax_chunk(
     }
 }
 
-/* o[r] = o[r] * alpha[r] + sum_c p[c * QUERY_TILE + r] v_c for R rows of D (a multiple of 16)
- * floats, over `tokens` value rows v_c = v + c * v_stride */
+/* o[r] = o[r] * alpha[r] + sum_c p[c * ld + r] v_c for R rows, d_begin..D (D a multiple of 16)
+ * of each, over `tokens` value rows v_c = v + c * v_stride */
 template <int R>
 static inline __attribute__((always_inline)) void pv_tile(
-        const float *p, const float *alpha, const float *v, int64_t v_stride, int64_t tokens,
-        float *o, int64_t D) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const float *p, int64_t ld, const float *alpha, const float *v, int64_t v_stride,
+        int64_t tokens, float *o, int64_t D, int64_t d_begin) {
+    for (int64_t d0 = d_begin; d0 < D; d0 += 16) {
 #ifdef __AVX512F__
         vec16 acc[R];
 #pragma GCC unroll 32
@@ -857,7 +866,7 @@ static inline __attribute__((always_inline)) void pv_tile(
             vec16 w = load16(v + c * v_stride + d0);
             asm("" : "+v"(w));
 #pragma GCC unroll 32
-            for (int r = 0; r < R; r++) acc[r] += p[c * QUERY_TILE + r] * w;
+            for (int r = 0; r < R; r++) acc[r] += p[c * ld + r] * w;
         }
         for (int r = 0; r < R; r++) *(vec16_unaligned *)(o + r * D + d0) = acc[r];
 #else
@@ -873,7 +882,7 @@ static inline __attribute__((always_inline)) void pv_tile(
             asm("" : "+x"(w0), "+x"(w1));
 #endif
             for (int r = 0; r < R; r++) {
-                const vec8 pr = vec8{} + p[c * QUERY_TILE + r];
+                const vec8 pr = vec8{} + p[c * ld + r];
                 lo[r] += pr * w0;
                 hi[r] += pr * w1;
             }
@@ -887,13 +896,62 @@ static inline __attribute__((always_inline)) void pv_tile(
 }
 
 template <int R>
-static void pv_rows(const float *p, const float *alpha, const float *v, int64_t v_stride,
-                    int64_t tokens, float *o, int64_t D, int64_t M) {
+static void pv_rows(const float *p, int64_t ld, const float *alpha, const float *v,
+                    int64_t v_stride, int64_t tokens, float *o, int64_t D, int64_t d_begin,
+                    int64_t M) {
     if constexpr (R > 1) {
-        if (M < R) return pv_rows<R - 1>(p, alpha, v, v_stride, tokens, o, D, M);
+        if (M < R)
+            return pv_rows<R - 1>(p, ld, alpha, v, v_stride, tokens, o, D, d_begin, M);
     }
-    pv_tile<R>(p, alpha, v, v_stride, tokens, o, D);
+    pv_tile<R>(p, ld, alpha, v, v_stride, tokens, o, D, d_begin);
 }
+
+#ifdef __AVX512F__
+/* pv_tile's sums for R <= PV_ROWS rows and 64 floats d0..d0 + 64 of each: per value row four
+ * loads and R broadcasts feed 4R multiply-adds, where pv_tile's one load and R broadcasts feed
+ * R (the same sums in the same order) */
+constexpr int PV_ROWS = 6;  /* 24 sums and the row's four vectors: 28 of 32 registers */
+
+template <int R>
+static inline __attribute__((always_inline)) void pv_wide_tile(
+        const float *p, int64_t ld, const float *alpha, const float *v, int64_t v_stride,
+        int64_t tokens, float *o, int64_t D, int64_t d0) {
+    vec16 acc[R][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[r][j] = load16(o + r * D + d0 + j * 16) * alpha[r];
+    for (int64_t c = 0; c < tokens; c++) {
+        vec16 w[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            w[j] = load16(v + c * v_stride + d0 + j * 16);
+            asm("" : "+v"(w[j]));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const vec16 pr = vec16{} + p[c * ld + r];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[r][j] += pr * w[j];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) *(vec16_unaligned *)(o + r * D + d0 + j * 16) = acc[r][j];
+}
+
+template <int R>
+static void pv_wide_rows(const float *p, int64_t ld, const float *alpha, const float *v,
+                         int64_t v_stride, int64_t tokens, float *o, int64_t D, int64_t d0,
+                         int64_t M) {
+    if constexpr (R > 1) {
+        if (M < R)
+            return pv_wide_rows<R - 1>(p, ld, alpha, v, v_stride, tokens, o, D, d0, M);
+    }
+    pv_wide_tile<R>(p, ld, alpha, v, v_stride, tokens, o, D, d0);
+}
+#endif
 
 struct Prefill {
     const float *q, *k, *v;
@@ -916,7 +974,7 @@ static inline int64_t first_key(int64_t p, int64_t window) {
 /* floats of an item's buffer: per query head its query panel, outputs, running max and sum;
  * the chunk's scores; the queries' positions and first keys */
 static inline int64_t prefill_work(int64_t G, int64_t D) {
-    return G * QUERY_TILE * (2 * D + 2) + KEY_CHUNK * QUERY_TILE + 3 * QUERY_TILE;
+    return G * QUERY_TILE * (2 * D + 2) + KEY_CHUNK * G * QUERY_TILE + 3 * QUERY_TILE;
 }
 
 /* one item (see above). Returns 0, or 2 for a block id outside the cache. */
@@ -928,7 +986,9 @@ static int prefill_item(const Prefill &a, const PrefillItem &it, float *work) {
     const int64_t lo = first_key(pos0, a.window), hi = pos0 + M;  /* the keys [lo, hi) */
     const int32_t *table = a.tables + s * a.bt_stride;
     float *Qp = work, *O = Qp + G * D * Q, *m = O + G * Q * D, *l = m + G * Q;
-    float *S = l + G * Q, *alpha = S + KEY_CHUNK * Q, *pos = alpha + Q, *first = pos + Q;
+    /* the chunk's scores, all heads side by side: S[c * ld + g * Q + r] */
+    const int64_t ld = G * Q;
+    float *S = l + G * Q, *alpha = S + KEY_CHUNK * ld, *pos = alpha + Q, *first = pos + Q;
     const float *qt = a.q + (a.qsl[s] + it.first) * a.q_stride;
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++)
@@ -949,15 +1009,50 @@ static int prefill_item(const Prefill &a, const PrefillItem &it, float *work) {
         const float *keys = a.k + at, *values = a.v + at;
         /* does some query of the tile miss some key of the chunk? */
         const bool masked = c1 - 1 > pos0 || last_first > c0 || M < Q;
-        for (int64_t g = 0; g < G; g++) {
-            for (int64_t k0 = 0; k0 < n; k0 += TILE_ROWS)  /* S[c, r] = k_c . q_r */
+#ifdef __AVX512F__
+        /* S[c, g, r] = k_c . q_gr: the query heads three (or two) at a time, so that each
+         * broadcast of a key's element serves three heads' panels (wide_tile) */
+        for (int64_t g = 0; g < G;) {
+            const int64_t np = std::min<int64_t>(3, G - g), most = np == 3 ? 9 : 14;
+            const int64_t tiles = (n + most - 1) / most;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = n * t / tiles, r1 = n * (t + 1) / tiles;
+                float *dst = S + r0 * ld + g * Q;
+                if (np == 3)
+                    wide_rows<3, 9>(keys + r0 * row, row, r1 - r0, Qp + g * D * Q, D, 0, D, dst,
+                                    ld, true, false);
+                else if (np == 2)
+                    wide_rows<2, 14>(keys + r0 * row, row, r1 - r0, Qp + g * D * Q, D, 0, D,
+                                     dst, ld, true, false);
+                else
+                    panel_rows<TILE_ROWS>(keys + r0 * row, row, r1 - r0, Qp + g * D * Q, D,
+                                          nullptr, dst, ld, Q, false);
+            }
+            g += np;
+        }
+#else
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t k0 = 0; k0 < n; k0 += TILE_ROWS)  /* S[c, g, r] = k_c . q_gr */
                 panel_rows<TILE_ROWS>(keys + k0 * row, row, std::min<int64_t>(TILE_ROWS, n - k0),
-                                      Qp + g * D * Q, D, nullptr, S + k0 * Q, Q, Q, false);
-            softmax_chunk<query_vec, query_veci>(S, n, c0, masked, a.scale, pos, first,
-                                                 m + g * Q, l + g * Q, alpha);
-            for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS)
-                pv_rows<TILE_ROWS>(S + r0, alpha + r0, values, row, n, O + (g * Q + r0) * D, D,
-                                   std::min<int64_t>(TILE_ROWS, M - r0));
+                                      Qp + g * D * Q, D, nullptr, S + k0 * ld + g * Q, ld, Q,
+                                      false);
+#endif
+        for (int64_t g = 0; g < G; g++) {
+            softmax_chunk<query_vec, query_veci>(S + g * Q, ld, n, c0, masked, a.scale, pos,
+                                                 first, m + g * Q, l + g * Q, alpha);
+            int64_t d_begin = 0;
+#ifdef __AVX512F__
+            for (; d_begin + 64 <= D; d_begin += 64)
+                for (int64_t r0 = 0; r0 < M; r0 += PV_ROWS)
+                    pv_wide_rows<PV_ROWS>(S + g * Q + r0, ld, alpha + r0, values, row, n,
+                                          O + (g * Q + r0) * D, D, d_begin,
+                                          std::min<int64_t>(PV_ROWS, M - r0));
+#endif
+            if (d_begin < D)
+                for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS)
+                    pv_rows<TILE_ROWS>(S + g * Q + r0, ld, alpha + r0, values, row, n,
+                                       O + (g * Q + r0) * D, D, d_begin,
+                                       std::min<int64_t>(TILE_ROWS, M - r0));
         }
         c0 = c1;
     }
