@@ -499,8 +499,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
  * sums of R = 4..8 in memory, at a third of the speed. With AVX-512 the panels go two at a time
  * (wide_tile, up to 14 rows of 32 outputs), which needs fewer loads per multiply-add (the
  * bundled model's 121 weights on the 2-core Xeon: 16 rows 26.9 ms against 29.4-30.6 one panel
- * at a time, 32 rows 40.6 against 46.5, 64 rows 66.6 against 79.2, where oneDNN takes 81.8). More rows than R take more tiles of about
- * equal size, the later ones reading the panel from cache. The first tile asks for the panel's
+ * at a time, 32 rows 40.6 against 46.5, 64 rows 66.6 against 79.2, where oneDNN takes 81.8).
+ * More rows than R take more tiles of about equal size, the later ones reading the panel from
+ * cache. The first tile asks for the panel's
  * line PREFETCH_FLOATS ahead of the one it reads, into L2: without that the loads wait on memory,
  * since the hardware's own prefetching does not run far enough ahead of this much arithmetic per
  * line (measured on the bundled model's weights, 2 threads, AVX2 vectors: 16 rows 43 ms a step's
