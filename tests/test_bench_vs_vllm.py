@@ -232,3 +232,18 @@ def test_governor_sets_torch_threads_from_measured_waiting(monkeypatch):
             pass
         assert 0.0 <= gov.wait_share() <= 1.0
         assert gov.last_sched[0] > 0
+
+
+def test_the_engine_core_keeps_freed_memory_unless_told_otherwise():
+    """``keep_freed_memory`` (glibc's malloc thresholds) applies on glibc, never over the
+    user's own MALLOC_* settings. In a child process: it changes the process's allocator."""
+    import platform
+
+    code = "from minivllm.engine.core_proc import keep_freed_memory; print(keep_freed_memory())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    for extra, want in (({}, glibc), ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[-1] == str(want), (extra, done.stdout)
