@@ -26,7 +26,10 @@ ahead), where oneDNN's waits on it. On the 2-core CPU above, one run of ``python
 minivllm.model.cpu_gemm`` (which prints each way on any machine), ms for the bundled model's 121
 weights through the panels and through oneDNN: 1 row 15.6 and 25.8, 8 rows 22.9 and 39.0, 16
 rows 31.8 and 39.5, 32 rows 85.7 and 92.6, 64 rows 106.1 and 129.8, 256 rows 441.4 and 393.2
-(other runs put the two even from about 48 rows). The panels cost as much memory as the weights
+(other runs put the two even from about 48 rows). With AVX-512 the kernel takes two panels at a
+time, and on a 2-core Xeon the panels were faster up to about 128 rows (64 rows 66.6-68.3 ms
+against oneDNN's 81.8-84.8, 128 rows 126.3 against 128.4), so ``few_rows_max()`` is 128 there
+and 32 elsewhere. The panels cost as much memory as the weights
 themselves again (the bundled model: 514 MiB more resident after ``LLM()``).
 
 ``MINIVLLM_CPU_GEMM``: ``auto`` (the default: oneDNN, and the panels for few rows when
