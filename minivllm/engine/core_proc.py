@@ -150,9 +150,10 @@ MALLOC_TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept, up to thi
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the memory a step frees for the next step, rather than give it
     back to the kernel and fault it in again. Left to itself, in the engine core process's main
-    thread (where the busy loop runs), it took 60-90 thousand page faults a second serving the
-    bundled model 512-token prompts on 2 cores, against a few hundred with these settings, which
-    gave 2 % more output tok/s (``docs/serving_speed.md``). The same settings as the
+    thread (where the busy loop runs), it took 60-90 thousand page faults a second with the
+    bundled model on 512-token prompts, 8 at a time on 2 cores, against a few hundred in 3 s
+    with these settings, which gave 2 % more output tok/s (``docs/serving_speed.md``). The same
+    settings as the
     environment variables ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``; nothing
     happens where either is set, or off glibc. Returns whether they were applied."""
     import platform
