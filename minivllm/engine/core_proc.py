@@ -153,9 +153,9 @@ def keep_freed_memory() -> bool:
     thread (where the busy loop runs), it took 60-90 thousand page faults a second with the
     bundled model on 512-token prompts, 8 at a time on 2 cores, against a few hundred in 3 s
     with these settings, which gave 2 % more output tok/s (``docs/serving_speed.md``). The same
-    settings as the
-    environment variables ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``; nothing
-    happens where either is set, or off glibc. Returns whether they were applied."""
+    settings as the environment variables ``MALLOC_MMAP_THRESHOLD_`` and
+    ``MALLOC_TRIM_THRESHOLD_``; nothing happens where either is set, or off glibc. Returns
+    whether they were applied."""
     import platform
 
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
