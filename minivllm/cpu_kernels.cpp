@@ -715,7 +715,7 @@ at::Tensor few_rows_linear(const at::Tensor &x, const at::Tensor &panels,
         for (int64_t g = begin * step; g < std::min(P, end * step); g += step) {
             const int64_t n = g * PANEL;
 #ifdef __AVX512F__
-            if (step == 2 && g + 1 < P) {
+            if (g + 1 < P) {
                 const int64_t cols = std::min(2 * PANEL, N - n);
                 for (int64_t k0 = 0; k0 < K; k0 += PAIR_K) {
                     const int64_t k1 = std::min(K, k0 + PAIR_K);

@@ -79,7 +79,7 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if packed is None:
         return F.linear(x, layer.weight, bias)
     panels = getattr(layer, "panel_weight", None)
-    if (panels is not None and x.numel() <= (_few_rows_max or few_rows_max()) * x.shape[-1]
+    if (panels is not None and x.numel() <= few_rows_max() * x.shape[-1]
             and cpu_kernels.few_rows_fit(x) and (bias is None or cpu_kernels.few_rows_fit(bias))):
         return _few_rows_linear(x, panels, bias, layer.weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
