@@ -1268,6 +1268,43 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &panels, const at::Tenso
     return stack[0].toTensor();
 }
 
+/* a step's queries and the sequences they attend, as the attention kernels take them */
+struct Rows {
+    at::Tensor q, block_tables, seq_lens, query_start_loc;
+    int64_t prefills;
+    at::Tensor picked;  /* the rows kept (kept_rows), undefined for all of them */
+};
+
+/* The last row of each sequence in `keep` (int64 sequence indices, rising, the first
+ * num_decodes of them 0, 1, ..., num_decodes - 1: every decode is kept): a decode is its own
+ * last row, a prefill chunk keeps the query of its last token, whose attention the kernel
+ * computes the same alone as beside the chunk's other queries. */
+Rows kept_rows(const at::Tensor &q, const Rows &all, const at::Tensor &keep,
+               int64_t num_decodes) {
+    const char *op = "decoder_layers";
+    const int64_t seqs = all.seq_lens.size(0), kept = keep.numel();
+    TORCH_CHECK_VALUE(keep.scalar_type() == at::kLong && keep.dim() == 1 &&
+                      keep.is_contiguous() && keep.device().is_cpu(), op,
+                      ": keep must be int64 sequence indices");
+    const int64_t *s = keep.data_ptr<int64_t>();
+    const int32_t *qsl = all.query_start_loc.data_ptr<int32_t>();
+    at::Tensor picked = at::empty({kept}, keep.options()),
+               starts = at::empty({kept + 1}, all.query_start_loc.options());
+    int64_t *row = picked.data_ptr<int64_t>();
+    int32_t *start = starts.data_ptr<int32_t>();
+    start[0] = 0;
+    for (int64_t i = 0; i < kept; i++) {
+        TORCH_CHECK_VALUE(s[i] >= 0 && s[i] < seqs && (i == 0 || s[i] > s[i - 1]) &&
+                          (i >= num_decodes || s[i] == i), op,
+                          ": keep must name sequences in rising order, every decode among them");
+        row[i] = qsl[s[i] + 1] - 1;
+        start[i + 1] = (int32_t)(i + 1);
+    }
+    TORCH_CHECK_VALUE(kept >= num_decodes, op, ": keep must hold every decode");
+    return Rows{q.index_select(0, picked), all.block_tables.index_select(0, keep),
+                all.seq_lens.index_select(0, keep), starts, kept - num_decodes, picked};
+}
+
 at::Tensor decoder_layers(const at::Tensor &hidden, const at::Tensor &positions,
                           const at::Tensor &slots, const at::Tensor &block_tables,
                           const at::Tensor &seq_lens, const at::Tensor &query_start_loc,
@@ -1275,7 +1312,7 @@ at::Tensor decoder_layers(const at::Tensor &hidden, const at::Tensor &positions,
                           const c10::List<std::optional<at::Tensor>> &qkv_biases,
                           at::TensorList kv_caches, const at::Tensor &cos_sin,
                           at::IntArrayRef windows, at::IntArrayRef heads, double eps,
-                          double scale, int64_t few_rows) {
+                          double scale, int64_t few_rows, const std::optional<at::Tensor> &keep) {
     const char *op = "decoder_layers";
     const int64_t layers = (int64_t)kv_caches.size();
     TORCH_CHECK_VALUE(heads.size() == 3 && (int64_t)weights.size() == 10 * layers + 1 &&
@@ -1308,17 +1345,24 @@ at::Tensor decoder_layers(const at::Tensor &hidden, const at::Tensor &positions,
         check_attention_rows(q, cache, q, op);
         TORCH_CHECK_VALUE(cache.size(3) == nkv, op, ": a cache of another KV head count");
         write_kv(cache, k, v, slots.data_ptr<int64_t>(), n);
-        at::Tensor out = at::empty(q.sizes(), q.options());
+        /* the last layer: only the kept sequences' last rows go on past the K/V */
+        Rows r{q, block_tables, seq_lens, query_start_loc, prefills};
+        if (keep && l == layers - 1) {
+            r = kept_rows(q, r, *keep, num_decodes);
+            if (r.q.size(0) == 0) return hidden.new_empty({0, H});
+            residual = residual.index_select(0, r.picked);
+        }
+        at::Tensor out = at::empty(r.q.sizes(), r.q.options());
         if (num_decodes)
-            paged_decode(q.narrow(0, 0, num_decodes), cache, block_tables,
-                         seq_lens.narrow(0, 0, num_decodes), scale,
+            paged_decode(r.q.narrow(0, 0, num_decodes), cache, r.block_tables,
+                         r.seq_lens.narrow(0, 0, num_decodes), scale,
                          out.narrow(0, 0, num_decodes), windows[l], 0);
-        if (prefills)
-            paged_prefill(q, cache, block_tables.narrow(0, num_decodes, prefills),
-                          seq_lens.narrow(0, num_decodes, prefills),
-                          query_start_loc.narrow(0, num_decodes, prefills + 1), scale, out,
+        if (r.prefills)
+            paged_prefill(r.q, cache, r.block_tables.narrow(0, num_decodes, r.prefills),
+                          r.seq_lens.narrow(0, num_decodes, r.prefills),
+                          r.query_start_loc.narrow(0, num_decodes, r.prefills + 1), scale, out,
                           windows[l], 0);
-        h = linear(out.view({n, q_size}), w[3], w[4], std::nullopt, H, few_rows);
+        h = linear(out.view({r.q.size(0), q_size}), w[3], w[4], std::nullopt, H, few_rows);
         std::tie(h, residual) = fused_add_rms_norm(h, residual, w[5], eps);
         h = linear(h, w[6], w[7], std::nullopt, 2 * w[8].size(1), few_rows);
         h = linear(silu_and_mul(h), w[8], w[9], std::nullopt, H, few_rows);
@@ -1348,7 +1392,7 @@ TORCH_LIBRARY(minivllm_cpu, m) {
     m.def("decoder_layers(Tensor hidden, Tensor positions, Tensor slots, Tensor block_tables, "
           "Tensor seq_lens, Tensor query_start_loc, int num_decodes, Tensor[] weights, "
           "Tensor?[] qkv_biases, Tensor(a!)[] kv_caches, Tensor cos_sin_cache, int[] windows, "
-          "int[] heads, float eps, float scale, int few_rows) -> Tensor");
+          "int[] heads, float eps, float scale, int few_rows, Tensor? keep=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {

@@ -224,7 +224,13 @@ def _register_fakes() -> None:
     fake("race_sample")(lambda probs, keys: keys.new_empty((probs.shape[0],)))
     fake("few_rows_linear")(lambda x, panels, bias, out_features: x.new_empty(
         (*x.shape[:-1], out_features)))
-    fake("decoder_layers")(lambda hidden, *args: hidden.new_empty(hidden.shape))
+
+    @fake("decoder_layers")
+    def _(hidden, positions, slots, block_tables, seq_lens, query_start_loc, num_decodes,
+          weights, qkv_biases, kv_caches, cos_sin_cache, windows, heads, eps, scale, few_rows,
+          keep=None):  # a row per kept sequence, or per token
+        return hidden.new_empty((hidden.shape[0] if keep is None else keep.shape[0],
+                                 hidden.shape[1]))
 
 
 def library():

@@ -45,13 +45,22 @@ def _compared(llm):
     loop = runner.cpu_layers
     run, served = loop.run, []
 
-    def checked(input_ids, positions, meta):
+    def checked(input_ids, positions, meta, keep=None):
         hidden = run(input_ids, positions, meta)
         if hidden is not None:
             again = runner.model(input_ids, positions,
                                  runner.attention_backend.build_metadata(meta, runner.block_size))
             assert torch.equal(hidden, again)
             served.append((meta.num_decodes, meta.num_actual_tokens))
+            if keep is not None:  # the sampled rows alone: the same rows of the same floats
+                kept = run(input_ids, positions, meta, keep)
+                rows = meta.query_start_loc[1:][keep].long() - 1
+                assert kept.shape == (len(keep), hidden.shape[1])
+                if meta.num_actual_tokens <= cpu_gemm.few_rows_max():
+                    assert torch.equal(kept, hidden[rows])
+                else:  # the last layer's kept rows take the panels, the step's took oneDNN
+                    torch.testing.assert_close(kept, hidden[rows], rtol=1e-5, atol=1e-5)
+                return kept
         return hidden
 
     loop.run = checked
@@ -128,8 +137,8 @@ def test_the_python_forward_runs_wherever_something_was_changed(llama):
 
 def test_many_rows_take_onednn_and_prefill_chunks_share_steps_with_decodes(llama):
     served, restore = _compared(llama)
-    try:  # 40 decodes: more rows than the panels take
-        llama.generate([{"prompt_token_ids": [7 + i, 8, 9]} for i in range(40)],
+    try:  # 40 prompts of 4 tokens: more rows than the panels take; then 40 decodes
+        llama.generate([{"prompt_token_ids": [7 + i, 8, 9, 10]} for i in range(40)],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
         with swapped_scheduler(llama, max_num_batched_tokens=64):  # a long prompt in chunks
@@ -138,7 +147,8 @@ def test_many_rows_take_onednn_and_prefill_chunks_share_steps_with_decodes(llama
                            use_tqdm=False)
     finally:
         restore()
-    assert (0, 120) in served and (40, 40) in served  # 40 prompts of 3 tokens; 40 decodes
+    assert (0, 160) in served and (40, 40) in served
+    assert cpu_gemm.few_rows_max() < 160
     assert any(0 < decodes and tokens - decodes > cpu_gemm.FEW_ROWS_MAX
                for decodes, tokens in served)  # a decode beside a chunk of the long prompt
     loop = model_runner(llama).cpu_layers
@@ -165,6 +175,29 @@ def test_a_slot_outside_the_cache_raises_and_the_engine_goes_on(llama):
     with torch.inference_mode(), pytest.raises(IndexError, match="outside the KV cache"):
         runner.cpu_layers.run(torch.tensor([5], dtype=torch.int32),
                               torch.zeros(1, dtype=torch.int64), meta)
+    assert _three_steps(llama) == 3
+
+
+@pytest.mark.parametrize("keep, why", [([1], "every decode"), ([0, 0], "rising order"),
+                                       ([0, 2], "rising order"), ([0.0], "int64")])
+def test_kept_rows_that_are_not_the_sampled_sequences_raise(llama, keep, why):
+    runner = model_runner(llama)
+    meta = _decode_meta()
+    meta.seq_lens = torch.tensor([1, 1], dtype=torch.int32)  # a decode and a one-token prompt
+    meta.query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32)
+    meta.block_tables = torch.zeros(2, 4, dtype=torch.int32)
+    meta.block_tables[1, 0] = 1
+    meta.slot_mapping = torch.tensor([0, runner.kv_caches[0].shape[2]], dtype=torch.int64)
+    meta.num_actual_tokens = 2
+    ids, positions = torch.tensor([5, 6], dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    with torch.inference_mode():
+        whole = runner.cpu_layers.run(ids, positions, meta)
+        assert torch.equal(runner.cpu_layers.run(ids, positions, meta, torch.tensor([0, 1])),
+                           whole)
+        assert torch.equal(runner.cpu_layers.run(ids, positions, meta, torch.tensor([0])),
+                           whole[:1])
+        with pytest.raises(ValueError, match=why):
+            runner.cpu_layers.run(ids, positions, meta, torch.tensor(keep))
     assert _three_steps(llama) == 3
 
 

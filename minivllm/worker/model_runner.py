@@ -388,11 +388,13 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, cu = self.prepare_inputs(scheduler_output)
         if not len(sample_rows):
             self.copy_fence.record()  # nothing sampled: no sync ends this step
-        hidden = None
+        hidden, sampled_rows_only = None, False
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids, positions, meta)
-        elif self.cpu_layers is not None:
-            hidden = self.cpu_layers.run(input_ids, positions, meta)
+        elif self.cpu_layers is not None:  # a row per sampled request
+            hidden = self.cpu_layers.run(input_ids, positions, meta, torch.from_numpy(
+                sample_rows.astype(np.int64, copy=False)))
+            sampled_rows_only = hidden is not None
         if hidden is None:
             attn_meta = self.attention_backend.build_metadata(meta, self.block_size)
             hidden = self.model(input_ids, positions, attn_meta)
@@ -406,7 +408,8 @@ class ModelRunner:
             np.subtract(cu[sample_rows], 1, out=self.logits_indices.np[:k])
             logits_indices = self.logits_indices.copy_to_gpu(k)
             self.copy_fence.record()
-            logits = self.model.compute_logits(hidden[logits_indices])
+            logits = self.model.compute_logits(
+                hidden if sampled_rows_only else hidden[logits_indices])
             tokens = self.sampler(logits, self._sampling_metadata(sample_rows)).cpu().numpy()
             batch.append_sampled(sample_rows, tokens)
             for row, token in zip(sample_rows.tolist(), tokens.tolist()):
