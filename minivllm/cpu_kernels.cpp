@@ -1279,8 +1279,7 @@ struct Rows {
  * num_decodes of them 0, 1, ..., num_decodes - 1: every decode is kept): a decode is its own
  * last row, a prefill chunk keeps the query of its last token, whose attention the kernel
  * computes the same alone as beside the chunk's other queries. */
-Rows kept_rows(const at::Tensor &q, const Rows &all, const at::Tensor &keep,
-               int64_t num_decodes) {
+Rows kept_rows(const Rows &all, const at::Tensor &keep, int64_t num_decodes) {
     const char *op = "decoder_layers";
     const int64_t seqs = all.seq_lens.size(0), kept = keep.numel();
     TORCH_CHECK_VALUE(keep.scalar_type() == at::kLong && keep.dim() == 1 &&
@@ -1296,12 +1295,13 @@ Rows kept_rows(const at::Tensor &q, const Rows &all, const at::Tensor &keep,
     for (int64_t i = 0; i < kept; i++) {
         TORCH_CHECK_VALUE(s[i] >= 0 && s[i] < seqs && (i == 0 || s[i] > s[i - 1]) &&
                           (i >= num_decodes || s[i] == i), op,
-                          ": keep must name sequences in rising order, every decode among them");
+                          ": keep must name the step's sequences in rising order, every decode "
+                          "among them");
         row[i] = qsl[s[i] + 1] - 1;
         start[i + 1] = (int32_t)(i + 1);
     }
     TORCH_CHECK_VALUE(kept >= num_decodes, op, ": keep must hold every decode");
-    return Rows{q.index_select(0, picked), all.block_tables.index_select(0, keep),
+    return Rows{all.q.index_select(0, picked), all.block_tables.index_select(0, keep),
                 all.seq_lens.index_select(0, keep), starts, kept - num_decodes, picked};
 }
 
@@ -1348,7 +1348,7 @@ at::Tensor decoder_layers(const at::Tensor &hidden, const at::Tensor &positions,
         /* the last layer: only the kept sequences' last rows go on past the K/V */
         Rows r{q, block_tables, seq_lens, query_start_loc, prefills};
         if (keep && l == layers - 1) {
-            r = kept_rows(q, r, *keep, num_decodes);
+            r = kept_rows(r, *keep, num_decodes);
             if (r.q.size(0) == 0) return hidden.new_empty({0, H});
             residual = residual.index_select(0, r.picked);
         }

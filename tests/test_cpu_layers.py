@@ -178,9 +178,12 @@ def test_a_slot_outside_the_cache_raises_and_the_engine_goes_on(llama):
     assert _three_steps(llama) == 3
 
 
-@pytest.mark.parametrize("keep, why", [([1], "every decode"), ([0, 0], "rising order"),
-                                       ([0, 2], "rising order"), ([0.0], "int64")])
-def test_kept_rows_that_are_not_the_sampled_sequences_raise(llama, keep, why):
+@pytest.mark.parametrize("keep, dtype, why", [
+    ([1], torch.int64, "every decode"), ([], torch.int64, "every decode"),
+    ([1, 0], torch.int64, "rising order"), ([0, 0], torch.int64, "rising order"),
+    ([0, 2], torch.int64, "the step's sequences"), ([-1, 0], torch.int64, "the step's sequences"),
+    ([0, 1], torch.int32, "int64")])
+def test_kept_rows_that_are_not_the_sampled_sequences_raise(llama, keep, dtype, why):
     runner = model_runner(llama)
     meta = _decode_meta()
     meta.seq_lens = torch.tensor([1, 1], dtype=torch.int32)  # a decode and a one-token prompt
@@ -197,7 +200,7 @@ def test_kept_rows_that_are_not_the_sampled_sequences_raise(llama, keep, why):
         assert torch.equal(runner.cpu_layers.run(ids, positions, meta, torch.tensor([0])),
                            whole[:1])
         with pytest.raises(ValueError, match=why):
-            runner.cpu_layers.run(ids, positions, meta, torch.tensor(keep))
+            runner.cpu_layers.run(ids, positions, meta, torch.tensor(keep, dtype=dtype))
     assert _three_steps(llama) == 3
 
 
