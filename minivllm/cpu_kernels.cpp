@@ -116,6 +116,7 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
 }
 
 #ifdef __AVX512F__
+#define HAVE_DOT8_HEADS
 /* dot8 for the NH query heads q, q + D, ... that share these keys, each key vector loaded once
  * for all of them (dot8 loads it again per head: a load a multiply-add). The same sums in the
  * same order as dot8's. 8 NH sums, NH queries and a key: 28 of AVX-512's 32 registers at NH 3. */
@@ -211,7 +212,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
         for (int64_t p = p0; p < p1; p += 8) {
             const int64_t m = p1 - p < 8 ? p1 - p : 8;
             const float *keys = block + (p - b * bs) * row;
-#ifdef __AVX512F__
+#ifdef HAVE_DOT8_HEADS
             if (m == 8 && D % 8 == 0 && group % 3 == 0) {  /* three heads to a key load */
                 for (int64_t h = 0; h < heads; h += 3) {
                     if (next)
@@ -271,7 +272,7 @@ static inline __attribute__((always_inline)) int attend_sequence(
         if (b - first_block < 2 && s + 1 < a->last)
             if (const float *keys = key_block(a, s + 1, b - first_block))
                 prefetch_block_l2(keys, block_floats);
-#ifdef __AVX512F__
+#ifdef HAVE_DOT8_HEADS
         if (D == 64 && group % 3 == 0) {  /* three heads to a value load: 24 sums in registers */
             for (int64_t h = 0; h < heads; h += 3) {
                 if (next) prefetch_part(next, bs * row, h / 3, heads / 3);
