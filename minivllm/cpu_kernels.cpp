@@ -90,36 +90,12 @@ static inline void prefetch_block_l2(const float *p, int64_t floats) {
 }
 
 #ifdef HAVE_DOT8
-/* q . k_j for the eight key rows k_j = key + j * stride (D floats each, D a multiple of 8), as
- * [dot_0 .. dot_7]: eight independent sums (one sum at a time waits on its own additions'
- * latency), added across their lanes all at once at the end */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *key,
-                                                        int64_t stride, const int64_t D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-           a7 = a0;
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + stride + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 3 * stride + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 4 * stride + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 5 * stride + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 6 * stride + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(key + 7 * stride + d), a7);
-    }
-    /* two rounds of pairwise sums within 128-bit halves, then the halves added */
-    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
-                         _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
-#ifdef __AVX512F__
-#define HAVE_DOT8_HEADS
-/* dot8 for the NH query heads q, q + D, ... that share these keys, each key vector loaded once
- * for all of them (dot8 loads it again per head: a load a multiply-add). The same sums in the
- * same order as dot8's. 8 NH sums, NH queries and a key: 28 of AVX-512's 32 registers at NH 3. */
+/* q_i . k_j for the NH query heads q_i = q + i * D that share the eight key rows k_j = key +
+ * j * stride (D floats each, D a multiple of 8), as dots[i] = [dot_0 .. dot_7]: eight
+ * independent sums a head (one sum at a time waits on its own additions' latency), added
+ * across their lanes all at once at the end. Each key vector is loaded once for all NH heads,
+ * so NH > 1 needs fewer loads a multiply-add: 8 NH sums, NH queries and a key are 28 of
+ * AVX-512's 32 registers at NH 3 (HAVE_DOT8_HEADS), more than AVX2's 16. */
 template <int NH>
 static inline __attribute__((always_inline)) void dot8_heads(const float *q, const float *key,
                                                               int64_t stride, const int64_t D,
@@ -140,6 +116,7 @@ static inline __attribute__((always_inline)) void dot8_heads(const float *q, con
             for (int i = 0; i < NH; i++) acc[i][j] = _mm256_fmadd_ps(x[i], k, acc[i][j]);
         }
     }
+    /* two rounds of pairwise sums within 128-bit halves, then the halves added */
 #pragma GCC unroll 8
     for (int i = 0; i < NH; i++) {
         const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]),
@@ -150,6 +127,8 @@ static inline __attribute__((always_inline)) void dot8_heads(const float *q, con
                                 _mm256_permute2f128_ps(s0, s1, 0x31));
     }
 }
+#ifdef __AVX512F__
+#define HAVE_DOT8_HEADS
 #endif
 #endif
 
@@ -232,8 +211,9 @@ static inline __attribute__((always_inline)) int attend_sequence(
                 float *sh = scores + h * n - start + p;
 #ifdef HAVE_DOT8
                 if (m == 8 && D % 8 == 0) {
-                    _mm256_storeu_ps(sh, _mm256_mul_ps(dot8(qh, kh, row, D),
-                                                       _mm256_set1_ps(a->scale)));
+                    __m256 dot;
+                    dot8_heads<1>(qh, kh, row, D, &dot);
+                    _mm256_storeu_ps(sh, _mm256_mul_ps(dot, _mm256_set1_ps(a->scale)));
                     continue;
                 }
 #endif

@@ -39,7 +39,7 @@ def run_kernel(q, cache, table, seq_lens, scale, window=None, num_threads=None):
     return out
 
 
-# 20: not a multiple of 8, so full chunks of eight key rows take the plain loop, not dot8
+# 20: not a multiple of 8, so full chunks of eight key rows take the plain loop, not dot8_heads
 @pytest.mark.parametrize("head_dim", [64, 128, 24, 20])
 @pytest.mark.parametrize("kv_heads,heads_per_kv", [(1, 1), (3, 3), (2, 7), (4, 2)])
 @pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (1, 5), (16, 20)])
