@@ -499,6 +499,16 @@ at::Tensor silu_and_mul(const at::Tensor &x) {
     return out;
 }
 
+/* one head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the output apart from
+ * the input (restrict), so that the loop vectorizes without checks for overlap */
+static inline void rotate_half(const float *__restrict x, const float *__restrict cos,
+                               const float *__restrict sin, float *__restrict o, int64_t half) {
+    for (int64_t j = 0; j < half; j++) {
+        o[j] = x[j] * cos[j] - x[half + j] * sin[j];
+        o[half + j] = x[half + j] * cos[j] + x[j] * sin[j];
+    }
+}
+
 /* Rotary embedding, "neox" layout, out of place: for token t at position positions[t], each
  * head's halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with cos | sin the row of
  * cos_sin (d/2 each). q: [tokens, heads, d] with heads side by side (any token stride), k
@@ -536,14 +546,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor &positions,
                 const int64_t n = which ? kv_heads : heads;
                 const float *src = which ? kp + t * k_stride : qp + t * q_stride;
                 float *dst = which ? ko + t * kv_heads * d : qo + t * heads * d;
-                for (int64_t h = 0; h < n; h++) {
-                    const float *x1 = src + h * d, *x2 = x1 + half;
-                    float *o1 = dst + h * d, *o2 = o1 + half;
-                    for (int64_t j = 0; j < half; j++) {
-                        o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
-                        o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
-                    }
-                }
+                for (int64_t h = 0; h < n; h++)
+                    rotate_half(src + h * d, cos, sin, dst + h * d, half);
             }
         }
     });
@@ -881,6 +885,28 @@ static inline __attribute__((always_inline)) V exp_lanes(V x) {
     const V y = p * r * r + r + 1.f;
     return y * (V)((__builtin_convertvector(k, VI) + 127) << 23);  /* 2^k */
 }
+
+#ifdef __AVX512F__
+/* the same with AVX-512's floor (vrndscaleps) and scaling by 2^k (vscalefps): one instruction
+ * each where the above takes four, the same floats (k is the same integer, and y * 2^k the same
+ * product, exact in both) */
+template <>
+inline __attribute__((always_inline)) vec16 exp_lanes<vec16, veci16>(vec16 x) {
+    x = x < -87.f ? vec16{} - 87.f : x;
+    const vec16 t = x * 1.44269504088896341f + 0.5f;
+    const vec16 k = (vec16)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF |
+                                                           _MM_FROUND_NO_EXC);
+    const vec16 r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vec16 p = vec16{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vec16 y = p * r * r + r + 1.f;
+    return (vec16)_mm512_scalef_ps((__m512)y, (__m512)k);
+}
+#endif
 
 /* A query tile's online-softmax update over a chunk of n keys, `L` queries (one vector) at a
  * time: the scores S[c * Q + r] (scaled, masked to the keys each query sees when `masked`)
@@ -1315,13 +1341,17 @@ void write_kv(const at::Tensor &cache, const at::Tensor &k, const at::Tensor &v,
     const int64_t num_slots = cache.size(1) * cache.size(2), half = cache.stride(0);
     float *kc = cache.data_ptr<float>(), *vc = kc + half;
     const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t s = slots[t];
-        TORCH_CHECK_INDEX(s >= 0 && s < num_slots, "decoder_layers: slot ", s,
-                          " outside the KV cache");
-        std::copy_n(kp + t * k.stride(0), row, kc + s * row);
-        std::copy_n(vp + t * v.stride(0), row, vc + s * row);
-    }
+    for (int64_t t = 0; t < n; t++)
+        TORCH_CHECK_INDEX(slots[t] >= 0 && slots[t] < num_slots, "decoder_layers: slot ",
+                          slots[t], " outside the KV cache");
+    const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+    /* the threads split the rows: a prefill chunk's writes go to memory not yet in cache */
+    at::parallel_for(0, n, grain(2 * row), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; t++) {
+            std::copy_n(kp + t * k_stride, row, kc + slots[t] * row);
+            std::copy_n(vp + t * v_stride, row, vc + slots[t] * row);
+        }
+    });
 }
 
 /* x @ weight^T (+ bias): the panels for at most `few_rows` rows, else oneDNN's copy of the
