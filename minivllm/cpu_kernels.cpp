@@ -921,7 +921,8 @@ static inline __attribute__((always_inline)) void softmax_chunk(
     for (int64_t at = 0; at < Q; at += L) {
         const V P = *(const V_unaligned *)(pos + at), F = *(const V_unaligned *)(first + at);
         const V old = *(const V_unaligned *)(m + at);
-        V top = old, sum = V{};
+        /* two running maxima, so that each comparison does not wait on the one before */
+        V top0 = old, top1 = old, sum = V{};
         for (int64_t c = 0; c < n; c++) {
             V x = *(const V_unaligned *)(S + c * ld + at) * scale;
             if (masked) {
@@ -929,8 +930,10 @@ static inline __attribute__((always_inline)) void softmax_chunk(
                 x = (key <= P) & (key >= F) ? x : V{} - 1e30f;
             }
             *(V_unaligned *)(S + c * ld + at) = x;
-            top = x > top ? x : top;
+            if (c & 1) top1 = x > top1 ? x : top1;
+            else top0 = x > top0 ? x : top0;
         }
+        const V top = top1 > top0 ? top1 : top0;
         for (int64_t c = 0; c < n; c++) {
             V e = exp_lanes<V, VI>(*(const V_unaligned *)(S + c * ld + at) - top);
             if (masked) {
