@@ -1,9 +1,5 @@
-"""``python -m minivllm.course``: the course's maintenance commands.
-
-    python -m minivllm.course make-exercises          # exercises/ from solutions/
-    python -m minivllm.course make-exercises --check  # exit 1 if exercises/ is stale
-    python -m minivllm.course run chapters/03_paged_kv_cache.ipynb   # re-run, save outputs
-"""
+"""``python -m minivllm.course``: ``make-exercises [--check]`` (exercises/ from solutions/; with
+--check, exit 1 if exercises/ is stale) and ``run NOTEBOOK...`` (re-run, save outputs)."""
 
 from __future__ import annotations
 
@@ -24,19 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("notebooks", nargs="+")
     run.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)
-
+    if args.command == "make-exercises" and args.check:
+        stale = stale_exercises(args.root)
+        for path in stale:
+            print(f"stale: {path}", file=sys.stderr)
+        if stale:
+            print("run: python -m minivllm.course make-exercises", file=sys.stderr)
+        return 1 if stale else 0
     if args.command == "make-exercises":
-        if args.check:
-            stale = stale_exercises(args.root)
-            for path in stale:
-                print(f"stale: {path}", file=sys.stderr)
-            if stale:
-                print("run: python -m minivllm.course make-exercises", file=sys.stderr)
-            return 1 if stale else 0
         for path in write_exercises(args.root):
             print(f"wrote {path}")
         return 0
-
     from minivllm.course.notebooks import run_in_place
 
     for path in args.notebooks:

@@ -1,8 +1,5 @@
-"""Chapter 11's tools: the ablation ladder (``RUNGS``) served and measured (``serve_and_bench``,
-``serving_in_thread``), the simulator's cost model calibrated from an engine's measured steps
-(``calibrate``), and the simulated serving runs Exercise 11.1 tunes (``evaluate_goodput``). The
-workloads and the simulated runs of chapters 04-06's scenarios: ``minivllm.sim``.
-"""
+"""Chapter 11's tools: the ablation ladder (``RUNGS``) served and measured, the simulator's cost
+model calibrated from an engine's measured steps, and the simulated runs Exercise 11.1 tunes."""
 
 from __future__ import annotations
 
@@ -17,10 +14,7 @@ from minivllm.sim.engine import SimEngine
 from minivllm.sim.workloads import ServingWorkload, chat_and_documents  # noqa: F401 (11.1)
 from minivllm.utils import percentile
 
-# -- the ablation ladder ---------------------------------------------------------------------
-
-# each rung adds one thing to the rung before it; every rung states all four switches, so a
-# rung never depends on a default
+# the ablation ladder: each rung adds one thing to the one before and states all four switches
 RUNGS: list[tuple[str, list[str]]] = [
     ("torch eager", ["--attention-backend", "torch", "--custom-ops", "none", "--enforce-eager",
                      "--no-multiprocess"]),
@@ -36,15 +30,12 @@ RUNGS: list[tuple[str, list[str]]] = [
 
 
 def rung_settings(flags: list[str], device: str = "cuda") -> dict:
-    """What ``minivllm serve <flags>`` runs on ``device``: parsed by the command's own parser,
-    resolved by ``EngineArgs`` (the one place that picks kernels)."""
+    """What ``minivllm serve <flags>`` runs on ``device`` (parsed and resolved as it does)."""
     import torch
 
-    from minivllm.config import EngineArgs
     from minivllm.entrypoints.cli import build_parser
 
-    args = build_parser().parse_args(["serve", *flags])
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(build_parser().parse_args(["serve", *flags]))
     dev = torch.device(device)
     backend, fused = engine_args.resolve_kernels(dev)
     return {"attention": backend, "fused_kernels": fused,
@@ -53,13 +44,11 @@ def rung_settings(flags: list[str], device: str = "cuda") -> dict:
 
 
 def first_layers(source: str, folder: str, num_layers: int) -> str:
-    """A checkpoint of ``source``'s first ``num_layers`` decoder layers (its embeddings, final
-    norm and LM head too; its tokenizer): the same width, a fraction of the work per token, and
-    text that means nothing. For the CPU runs of a chapter that must stay short. Read and
-    written with safetensors' numpy API (float32 or float16 weights): nothing imports torch."""
+    """A checkpoint of ``source``'s first ``num_layers`` decoder layers (with its embeddings,
+    final norm, LM head and tokenizer), for short CPU runs; written with safetensors' numpy API
+    (nothing imports torch)."""
     import glob
     import json
-    import os
     import shutil
 
     from safetensors import safe_open
@@ -89,8 +78,7 @@ def first_layers(source: str, folder: str, num_layers: int) -> str:
 
 
 def start_server(model: str | None, flags: list[str], env: dict | None = None):
-    """``minivllm serve [model] <flags> --port 0`` as a child process (``ServerProcess``),
-    returned at once: it becomes ready seconds later (imports, weights; on a GPU, CUDA graphs)."""
+    """``minivllm serve [model] <flags> --port 0`` as a child process, returned before ready."""
     import time
 
     from minivllm.benchmarks.common import ServerProcess
@@ -104,8 +92,7 @@ def start_server(model: str | None, flags: list[str], env: dict | None = None):
 def bench_url(url: str, num_prompts: int, input_len: int, output_len: int,
               max_concurrency: int | None = None, request_rate: float = float("inf"),
               seed: int = 0, keep_results: bool = False) -> dict:
-    """``bench serve``'s client against the server at ``url``: random prompts of ``input_len``
-    tokens, exactly ``output_len`` output tokens each, greedy, streamed; its summary."""
+    """``bench serve``'s summary against ``url``: random prompts, exactly ``output_len`` tokens."""
     from minivllm.course.loadtest import bench, client_args
 
     return bench(client_args(url, num_clients=max_concurrency, num_prompts=num_prompts,
@@ -114,9 +101,8 @@ def bench_url(url: str, num_prompts: int, input_len: int, output_len: int,
 
 
 def bench_server(server, **workload) -> dict:
-    """Wait for ``server`` (``start_server``) to be ready, ``bench_url`` it with ``workload``,
-    stop it. The summary, plus how long the server took to become ready (``startup_s``) and its
-    flags."""
+    """Wait for ``server``, ``bench_url`` it with ``workload``, stop it: the summary, plus
+    ``startup_s`` (time to ready) and its flags."""
     import time
 
     try:
@@ -130,10 +116,8 @@ def bench_server(server, **workload) -> dict:
 
 @contextlib.contextmanager
 def serving_in_thread(model: str | None, flags: list[str]):
-    """What ``minivllm serve [model] <flags> --no-multiprocess`` runs (the same flags, parsed
-    by its parser; the same app over ``AsyncLLM``), on a thread of this process: no second
-    Python to start, no second import of torch. Yields the server's URL."""
-    from minivllm.config import EngineArgs
+    """What ``minivllm serve [model] <flags> --no-multiprocess`` runs, on a thread of this
+    process (no second Python, no second import of torch). Yields the server's URL."""
     from minivllm.course.checks.serving import app_in_thread
     from minivllm.engine.async_llm import AsyncLLM
     from minivllm.entrypoints.cli import build_parser
@@ -143,9 +127,8 @@ def serving_in_thread(model: str | None, flags: list[str]):
     args = build_parser().parse_args(["serve", *([model] if model else []), *flags,
                                       "--no-multiprocess"])
     args.model = resolve_model(args.model_tag or args.model)
-    name = os.path.basename(args.model)
     engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), show_progress=False)
-    with app_in_thread(build_app(engine, [name]), engine) as url:
+    with app_in_thread(build_app(engine, [os.path.basename(args.model)]), engine) as url:
         yield url
 
 
@@ -155,15 +138,11 @@ def serve_and_bench(model: str | None, flags: list[str], env: dict | None = None
     return bench_server(start_server(model, flags, env), **workload)
 
 
-# -- the cost model, calibrated ----------------------------------------------------------------
-
 def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
                    mem_bandwidth: float, mfu: float = 0.5, mbu: float = 0.7,
                    step_overhead_s: float = 0.0) -> CostModel:
-    """The simulator's cost model for a checkpoint's shape (``config``: its config.json as a
-    dict) on a device with these peaks. FLOPs: the decoder layers' matmuls, 2 per weight per
-    token (the LM head runs on one token per sequence, not on every prompt token; an embedding
-    lookup multiplies nothing); bytes: every weight once (tied embeddings once)."""
+    """The simulator's cost model for a checkpoint's config.json (a dict) on a device with these
+    peaks. FLOPs: 2 per decoder-layer weight per token; bytes: every weight once."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -179,9 +158,8 @@ def cost_model_for(config: dict, name: str, dtype_bytes: int, peak_flops: float,
 
 
 def step_work(trace: list[dict]) -> list[tuple[float, list[tuple[int, int]]]]:
-    """(measured seconds, [(new tokens, context after the step)] per scheduled request) for every
-    step of an engine's ``get_step_trace()``. A request's context is everything scheduled for it
-    so far (no prefix-cache hits or preemptions in the traced run)."""
+    """(measured seconds, [(new tokens, context after the step)]) per step of a
+    ``get_step_trace()`` (run without prefix-cache hits or preemptions)."""
     done: dict[str, int] = {}
     steps = []
     for step in trace:
@@ -201,8 +179,7 @@ def _split_times(cm: CostModel, work: list[tuple[int, int]]) -> tuple[float, flo
 
 
 def _nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
-    """argmin ||A x - y|| with x >= 0, for a handful of columns: the best of every subset's
-    unconstrained fit whose coefficients are all non-negative."""
+    """argmin ||A x - y|| with x >= 0: the best non-negative unconstrained fit of any subset."""
     import itertools
 
     import numpy as np
@@ -226,13 +203,10 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
               rounds: int = 5) -> CostModel:
     """``cm`` with its step overhead, MFU and MBU fitted to measured steps (``step_work``).
 
-    The model says a step takes ``overhead + max(compute, memory)``. Given which of the two
-    bounds each step, that is linear in (overhead, 1 / MFU, 1 / MBU): a least-squares fit, with
-    the overhead >= 0 and MFU, MBU <= 1 (no engine beats the peaks it is measured against).
-    Which one bounds a step depends on the fit, so fit, re-classify, fit again until the classes
-    stop changing. ``calibration`` on the result says how many steps each bound took and which
-    utilisation ended at its bound of 100% (the steps asked for a faster term than the peak
-    allows: what they took beyond it went to the overhead)."""
+    A step takes ``overhead + max(compute, memory)``: given which term bounds each step, linear
+    in (overhead, 1 / MFU, 1 / MBU), fitted with overhead >= 0 and MFU, MBU <= 1; re-classify and
+    refit until the classes settle. ``calibration`` on the result counts each bound's steps and
+    says which utilisation ended at 100%."""
     fitted = dataclasses.replace(cm, mfu=min(cm.mfu, 1.0), mbu=min(cm.mbu, 1.0))
     bound = None
     extra = (0.0, 0.0, 0.0)
@@ -259,22 +233,17 @@ def calibrate(cm: CostModel, steps: list[tuple[float, list[tuple[int, int]]]],
     return fitted
 
 
-# -- a real engine's scheduler settings, for the simulated engine (chapters 04-06's scenarios) ----
-
 def scheduler_config_of(scheduler) -> tuple[str, SchedulerConfig]:
-    """("v0" or "v1", the SchedulerConfig) a real engine's scheduler runs with, for a simulated
-    engine to run the same policy."""
+    """("v0" or "v1", the SchedulerConfig) of a real engine's scheduler, for a simulated one."""
     from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
 
     kind = "v0" if isinstance(scheduler, PhaseSeparatedScheduler) else "v1"
-    return kind, SchedulerConfig(
-        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        max_model_len=scheduler.max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
-        long_prefill_token_threshold=scheduler.long_prefill_token_threshold)
+    fields = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
+              "long_prefill_token_threshold")
+    return kind, SchedulerConfig(**{f: getattr(scheduler, f) for f in fields})
 
 
-# -- Exercise 11.1: goodput under P99 targets, simulated -------------------------------------
-
+# Exercise 11.1: goodput under P99 targets, simulated
 KNOBS = ("max_num_batched_tokens", "long_prefill_token_threshold", "max_num_seqs")
 TARGET_KEYS = ("p99_ttft_ms", "p99_itl_ms")
 # the request rates (requests/s) at which a configuration is tried
@@ -282,12 +251,11 @@ GOODPUT_RATES: tuple[float, ...] = tuple(float(r) for r in range(4, 36, 4))
 
 
 def config_problem(config, knobs=KNOBS) -> str | None:
-    """Why ``config`` is not a choice of ``knobs`` (default: the three knobs), as ints in their
-    ranges (None if it is)."""
+    """Why ``config`` is not a choice of ``knobs`` as ints in their ranges (None if it is)."""
     if not isinstance(config, dict):
         return f"expected a dict, got {type(config).__name__}"
     if set(config) != set(knobs):
-        return (f"expected exactly the keys {list(knobs)}, got {sorted(config)}")
+        return f"expected exactly the keys {list(knobs)}, got {sorted(config)}"
     lows = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0, "max_num_seqs": 1}
     for key in knobs:
         v = config[key]
@@ -300,10 +268,9 @@ def config_problem(config, knobs=KNOBS) -> str | None:
 
 def simulate_at_rate(config: dict, workload: ServingWorkload, rate: float,
                      cost_model: CostModel | None = None) -> dict:
-    """The workload arriving at ``rate`` requests/s on a simulated engine scheduled with
-    ``config`` (v1, chunked prefill, no prefix caching: the prompts share nothing; a KV cache
-    that holds every request at once). P99 TTFT and P99 ITL (and the mean and median TTFT, for
-    chapter 05's exercise) in simulated milliseconds."""
+    """The workload arriving at ``rate`` requests/s on a simulated v1 engine (chunked prefill,
+    no prefix caching, room for every request) scheduled with ``config``: P99 TTFT and ITL,
+    mean and median TTFT, in simulated milliseconds."""
     problem = config_problem(config)
     if problem:
         raise ValueError(problem)
@@ -335,11 +302,9 @@ def misses(run: dict, targets: dict) -> dict[str, float]:
 def evaluate_goodput(config: dict, workload: ServingWorkload, targets: dict,
                      rates: tuple[float, ...] = GOODPUT_RATES,
                      cost_model: CostModel | None = None) -> dict:
-    """Goodput of ``config``: the highest of ``rates`` at which both P99 targets are met, found
-    by bisection (a rate the engine cannot keep up with is taken to stay out of reach at every
-    higher rate). 0 if even the lowest rate misses. Returns ``goodput`` (requests/s) and every
-    simulated ``runs`` entry (rate -> P99s), and ``limit``: the run at the lowest rate tried
-    that missed a target, with ``misses`` (None if none missed)."""
+    """Goodput of ``config``: the highest of ``rates`` (bisected) meeting both P99 targets, 0 if
+    none. Returns ``goodput``, every simulated ``runs`` entry (rate -> P99s) and ``limit``: the
+    lowest missing rate's run with its ``misses`` (None if none missed)."""
     runs: dict[float, dict] = {}
     lo, hi = -1, len(rates)  # rates[lo] meets the targets, rates[hi] does not
     while hi - lo > 1:
@@ -351,7 +316,6 @@ def evaluate_goodput(config: dict, workload: ServingWorkload, targets: dict,
         else:
             lo = mid
     limit = runs.get(rates[hi]) if hi < len(rates) else None
-    if limit is not None:
-        limit = {**limit, "misses": misses(limit, targets)}
+    limit = limit and {**limit, "misses": misses(limit, targets)}
     return {"goodput": rates[lo] if lo >= 0 else 0.0,
             "runs": dict(sorted(runs.items())), "limit": limit}

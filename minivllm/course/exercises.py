@@ -1,21 +1,11 @@
 """The exercise generator: solutions/NN_topic.ipynb -> exercises/NN_topic.ipynb.
 
-Exercises are authored once, solved, in ``solutions/``. The learner's part of a code cell sits
-between two marker lines; the BEGIN line says what the learner must do::
-
-    def rms_norm(x, weight, eps):
-        ### BEGIN SOLUTION Exercise 1.1: x / sqrt(mean(x**2) + eps) * weight, in float32
-        ...the solution...
-        ### END SOLUTION
-
-The generated notebook keeps everything else and replaces each marked block by
-``raise NotImplementedError("Exercise 1.1: ...")`` at the BEGIN line's indentation, so the
-unsolved notebook fails exactly where work is missing (never silently, as ``pass`` would).
-Cells tagged ``solution-only`` (remarks about the solution) are left out. Outputs and execution
-counts are cleared: nbval runs every cell but compares no output.
-
-Exercise numbers are checked: "N.M" where N is the notebook's chapter number and M counts
-1, 2, 3... in order (one exercise may span several consecutive blocks).
+In a solutions notebook the learner's part of a code cell sits between
+``### BEGIN SOLUTION Exercise 1.1: <what to do>`` and ``### END SOLUTION``; the exercise
+notebook replaces it by ``raise NotImplementedError("Exercise 1.1: <what to do>")`` (so it
+fails exactly where work is missing), leaves out cells tagged ``solution-only`` and clears
+outputs. Numbers "N.M" must match the chapter N and count M = 1, 2, ... in order (an exercise
+may span consecutive blocks).
 """
 
 from __future__ import annotations
@@ -45,9 +35,7 @@ class ExerciseFormatError(ValueError):
 
 def strip_solutions(source: str, where: str = "cell") -> tuple[str, list[str]]:
     """Replace each BEGIN/END SOLUTION block; return the new source and the exercise labels."""
-    out: list[str] = []
-    labels: list[str] = []
-    inside = False
+    out, labels, inside = [], [], False
     for lineno, line in enumerate(source.split("\n"), 1):
         begin, end = BEGIN.match(line), END.match(line)
         if begin:
@@ -57,8 +45,7 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, list[str]]:
             if label is None:
                 raise ExerciseFormatError(
                     f"{where}, line {lineno}: write what to do after the marker, as in "
-                    "'### BEGIN SOLUTION Exercise 1.2: rotate q and k by their positions'"
-                )
+                    "'### BEGIN SOLUTION Exercise 1.2: rotate q and k by their positions'")
             text = f"Exercise {label['n']}.{label['m']}: {label['what']}"
             escaped = text.replace("\\", "\\\\").replace('"', '\\"')
             out.append(f'{begin["indent"]}raise NotImplementedError("{escaped}")')
@@ -80,13 +67,13 @@ def _check_numbering(labels: list[str], chapter: int, where: str) -> None:
     for label in labels:
         n, m = (int(x) for x in label.split("."))
         if n != chapter:
-            raise ExerciseFormatError(f"{where}: Exercise {label} belongs to chapter {n}, not {chapter}")
+            raise ExerciseFormatError(
+                f"{where}: Exercise {label} belongs to chapter {n}, not {chapter}")
         if m == expected_next:
             expected_next += 1
         elif m != expected_next - 1:  # the same exercise continued in a later block
             raise ExerciseFormatError(
-                f"{where}: Exercise {label} is out of order (expected {chapter}.{expected_next})"
-            )
+                f"{where}: Exercise {label} is out of order (expected {chapter}.{expected_next})")
     if not labels:
         raise ExerciseFormatError(f"{where}: no '### BEGIN SOLUTION' block, so no exercise")
 
@@ -106,26 +93,20 @@ def make_exercise_notebook(solution: nbformat.NotebookNode, name: str) -> nbform
                 raise ExerciseFormatError(
                     f"{name}, cell {i}: a solution-only cell cannot hold an exercise")
             continue
+        source = cell.source
         if cell.cell_type == "code":
-            source, found = strip_solutions(cell.source, where=f"{name}, cell {i}")
+            source, found = strip_solutions(source, where=f"{name}, cell {i}")
             labels += found
-            new = nbformat.v4.new_code_cell(source)
-        elif cell.cell_type == "markdown":
-            new = nbformat.v4.new_markdown_cell(cell.source)
-        else:
-            new = nbformat.v4.new_raw_cell(cell.source)
+        new = {"code": nbformat.v4.new_code_cell, "markdown": nbformat.v4.new_markdown_cell}.get(
+            cell.cell_type, nbformat.v4.new_raw_cell)(source)
         if tags:
             new.metadata["tags"] = list(tags)
         new["id"] = cell.get("id") or f"cell-{i}"  # stable ids: the file is the same on every run
         cells.append(new)
     _check_numbering(labels, int(match["n"]), name)
-    keep = ("kernelspec", "language_info")
-    metadata = {k: solution.metadata[k] for k in keep if k in solution.metadata}
+    metadata = {k: solution.metadata[k] for k in ("kernelspec", "language_info")
+                if k in solution.metadata}
     return nbformat.v4.new_notebook(cells=cells, metadata=metadata)
-
-
-def notebook_text(nb: nbformat.NotebookNode) -> str:
-    return nbformat.writes(nb) + "\n"
 
 
 def generate(root: str = ".") -> dict[str, str]:
@@ -134,34 +115,30 @@ def generate(root: str = ".") -> dict[str, str]:
     if not os.path.isdir(solutions):
         raise ExerciseFormatError(f"no solutions/ folder in {os.path.abspath(root)!r}")
     out = {}
-    for name in sorted(os.listdir(solutions)):
-        if not name.endswith(".ipynb"):
-            continue
+    for name in sorted(n for n in os.listdir(solutions) if n.endswith(".ipynb")):
         solution = nbformat.read(os.path.join(solutions, name), as_version=4)
-        exercise = make_exercise_notebook(solution, name)
-        out[os.path.join(root, "exercises", name)] = notebook_text(exercise)
+        out[os.path.join(root, "exercises", name)] = nbformat.writes(
+            make_exercise_notebook(solution, name)) + "\n"
     return out
 
 
 def stale_exercises(root: str = ".") -> list[str]:
     """Exercise notebooks that differ from what ``generate`` writes now, or have no solution."""
     wanted = generate(root)
-    stale = []
-    for path, text in wanted.items():
-        try:
-            with open(path, encoding="utf-8") as f:
-                if f.read() == text:
-                    continue
-        except FileNotFoundError:
-            pass
-        stale.append(path)
+    stale = [path for path, text in wanted.items() if _read(path) != text]
     folder = os.path.join(root, "exercises")
     if os.path.isdir(folder):
-        stale += [
-            os.path.join(folder, n) for n in sorted(os.listdir(folder))
-            if n.endswith(".ipynb") and os.path.join(folder, n) not in wanted
-        ]
+        stale += [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+                  if n.endswith(".ipynb") and os.path.join(folder, n) not in wanted]
     return stale
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def write_exercises(root: str = ".") -> list[str]:

@@ -1,15 +1,7 @@
-"""GPU measurements a chapter stores, so a learner without a GPU still sees one.
-
-    if gpu_results.has_cuda():
-        ...measure...
-        gpu_results.save("02", "decode_speed", {"tokens_per_s": tps}, fig=fig)
-    else:
-        gpu_results.show("02", "decode_speed", "the decode loop's tokens/s on a GPU")
-
-``save`` writes ``chapters/gpu_results/<chapter>_<name>.json`` (data, date, device, torch
-version) and a ``.png`` of the figure; ``show`` prints the stored result, or says none is stored
-yet, and never raises. The folder is found from the working directory up, else beside this
-package; ``MINIVLLM_GPU_RESULTS`` names another.
+"""GPU measurements a chapter stores, so a learner without a GPU still sees one: on a GPU
+``save("02", "decode_speed", data, fig=fig)`` writes ``chapters/gpu_results/02_decode_speed.json``
+(and a ``.png``), elsewhere ``show("02", "decode_speed", what)`` prints it and never raises.
+``MINIVLLM_GPU_RESULTS`` names another folder than chapters/gpu_results/.
 """
 
 from __future__ import annotations
@@ -28,31 +20,27 @@ def has_cuda() -> bool:
     """Whether torch sees a CUDA device (False when torch is missing or was built without CUDA)."""
     try:
         import torch
-
         return bool(torch.cuda.is_available())
     except Exception:
         return False
 
 
 def _is_chapters_dir(path: str) -> bool:
-    if os.path.basename(os.path.normpath(path)) != "chapters" or not os.path.isdir(path):
-        return False
-    return any(re.match(r"^\d\d_.*\.ipynb$", f) for f in os.listdir(path))
+    return (os.path.basename(os.path.normpath(path)) == "chapters" and os.path.isdir(path)
+            and any(re.match(r"^\d\d_.*\.ipynb$", f) for f in os.listdir(path)))
 
 
 def chapters_dir(start: str | None = None) -> str | None:
-    """The repository's chapters/ folder: from ``start`` (default: the working directory) up,
-    else beside this package; None if neither finds one."""
+    """The chapters/ folder from ``start`` (default: the working directory) up, else beside
+    this package, else None."""
     here = os.path.abspath(start or os.getcwd())
     while True:
-        if _is_chapters_dir(here):
-            return here
-        if _is_chapters_dir(os.path.join(here, "chapters")):
-            return os.path.join(here, "chapters")
-        parent = os.path.dirname(here)
-        if parent == here:
+        for candidate in (here, os.path.join(here, "chapters")):
+            if _is_chapters_dir(candidate):
+                return candidate
+        if os.path.dirname(here) == here:
             break
-        here = parent
+        here = os.path.dirname(here)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     candidate = os.path.join(package_root, "chapters")
     return candidate if _is_chapters_dir(candidate) else None
@@ -66,20 +54,14 @@ def results_dir(start: str | None = None) -> str | None:
     return os.path.join(chapters, SUBDIR) if chapters else None
 
 
-def _check_names(chapter: str, name: str) -> None:
+def paths(chapter: str, name: str, start: str | None = None) -> tuple[str, str] | None:
+    """(json path, png path) of one result, or None when no chapters/ folder is found."""
     for label, value in (("chapter", chapter), ("name", name)):
         if not isinstance(value, str) or not _NAME.match(value):
             raise ValueError(f"{label} {value!r}: letters, digits, '_', '-' and '.' only")
-
-
-def paths(chapter: str, name: str, start: str | None = None) -> tuple[str, str] | None:
-    """(json path, png path) of one result, or None when no chapters/ folder is found."""
-    _check_names(chapter, name)
     folder = results_dir(start)
-    if folder is None:
-        return None
-    stem = os.path.join(folder, f"{chapter}_{name}")
-    return stem + ".json", stem + ".png"
+    stem = folder and os.path.join(folder, f"{chapter}_{name}")
+    return (stem + ".json", stem + ".png") if stem else None
 
 
 def _jsonable(value):
@@ -100,10 +82,8 @@ def _jsonable(value):
 
 
 def save(chapter: str, name: str, data: dict, fig=None) -> None:
-    """On a GPU: store ``data`` (plus date, device, torch version) and ``fig`` as a PNG.
-
-    Without a GPU it stores nothing (a CPU must never overwrite a GPU's result) and says so.
-    """
+    """On a GPU: store ``data`` (plus date, device, torch version) and ``fig`` as a PNG; without
+    one, store nothing (a CPU must never overwrite a GPU's result) and say so."""
     if not has_cuda():
         print(f"No GPU here: {chapter}_{name} not stored.")
         return
@@ -115,15 +95,10 @@ def save(chapter: str, name: str, data: dict, fig=None) -> None:
         return
     json_path, png_path = where
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
-    record = {
-        "chapter": chapter,
-        "name": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "data": _jsonable(data),
-    }
+    record = {"chapter": chapter, "name": name,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "data": _jsonable(data)}
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
@@ -137,12 +112,9 @@ def save(chapter: str, name: str, data: dict, fig=None) -> None:
 def load(chapter: str, name: str) -> dict | None:
     """The stored record ({"date", "device", "torch", "data", ...}), or None if there is none."""
     try:
-        where = paths(chapter, name)
-        if where is None or not os.path.exists(where[0]):
-            return None
-        with open(where[0], encoding="utf-8") as f:
+        with open(paths(chapter, name)[0], encoding="utf-8") as f:
             return json.load(f)
-    except Exception:
+    except Exception:  # no chapters/ folder (paths is None), no file, or a broken one
         return None
 
 
@@ -162,10 +134,8 @@ def format_record(record: dict) -> str:
 
 
 def show(chapter: str, name: str, what: str) -> None:
-    """Without a GPU: say what the cell would measure, then the stored result if there is one.
-
-    Never raises (a broken or missing file is reported as a line of text).
-    """
+    """Without a GPU: say what the cell would measure, then the stored result if any; never
+    raises (a broken or missing file is reported as a line of text)."""
     try:
         print(f"No GPU here: this cell would measure {what}.")
         where = paths(chapter, name)
@@ -179,11 +149,9 @@ def show(chapter: str, name: str, what: str) -> None:
             try:
                 from IPython import get_ipython
                 from IPython.display import Image, display
-
-                if get_ipython() is not None:
-                    display(Image(filename=png))
-                else:
-                    print(f"figure: {png}")
+                if get_ipython() is None:
+                    raise RuntimeError("not in IPython")
+                display(Image(filename=png))
             except Exception:
                 print(f"figure: {png}")
     except Exception as e:  # noqa: BLE001 - Run All must get through

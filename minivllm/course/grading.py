@@ -1,30 +1,18 @@
 """The grading harness every exercise uses: one way to fail, one way to pass, one delegation check.
 
-A grader describes its exercise once::
+A grader describes its exercise once (``Exercise(number, convention, answer, allowed)``), takes
+the learner's object with ``ex.take(obj)``, compares with ``ex.compare_tensors`` / ``ex.fail`` /
+``ex.hint`` and ends with ``ex.passed(...)``. ``answer`` names the package's objects that *are*
+the exercise's answer; ``take`` refuses the learner's object when it is or reaches one of them:
 
-    ex = Exercise("1.1", convention="Expected: x / sqrt(mean(x**2) + eps) * weight ...",
-                  answer=["minivllm.model.layers:rms_norm", "minivllm.model.layers:RMSNorm"],
-                  allowed="torch")
-    rms_norm = ex.take(rms_norm)        # refuses the package's answer, watches the rest
-    ex.compare_tensors(what, got, expected, hint=...)   # or ex.fail(...), ex.hint(...)
-    ex.passed("...")
+* statically, by identity: the object under any name, a subclass, an inherited method, a function
+  running the package's code or a byte-for-byte copy of it, and everything learner-written code
+  refers to (globals, module and class attributes, closures, defaults, ``super()``, builtins);
+* at run time (``importlib``, ``getattr`` by string, ...): the returned object runs the learner's
+  code under a profile hook that refuses any call into the answer's code, Python or C, and still
+  refuses when the learner catches that refusal and goes on.
 
-``answer`` names the package's objects that *are* the exercise's answer. ``take`` refuses the
-learner's object when it is one of them, or reaches one, however it got there:
-
-* **statically**, by identity: the object itself (imported under any name, aliased), a class
-  that subclasses one or inherits one of its methods without overriding it, a function whose
-  ``__code__`` is the package's or a byte-for-byte copy of it (pasted source), and everything a
-  learner-written function or class refers to: its globals (names bound before grading
-  included), attributes of the modules and classes it names (``layers.rms_norm``), closures,
-  default values, ``super()`` calls, builtins (``hash``);
-* **at run time**, for what only running shows (``importlib``, ``getattr`` by string, an
-  instance attribute set in ``__init__``): the object ``take`` returns runs the learner's code
-  with a profile hook on its thread that refuses any call into the answer's code (Python or
-  C). A learner that catches that refusal and goes on is refused when its call returns.
-
-Whichever way, the grader raises :class:`Delegated` (a :class:`CheckFailed`) naming the route
-and what the learner may use instead.
+Either way the grader raises :class:`Delegated` (a :class:`CheckFailed`) naming the route.
 """
 
 from __future__ import annotations

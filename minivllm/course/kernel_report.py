@@ -1,9 +1,6 @@
-"""What a Triton kernel compiles to for an H200 (CUDA sm_90), on a machine without a GPU.
-
-Triton ships its compiler, ``ptxas`` and ``cuobjdump``, so chapter 09 runs
-``python -m minivllm.course.kernel_report`` in a subprocess (TRITON_INTERPRET unset) and reads
-the JSON it prints: per kernel, shared memory, registers, spills and counts of telling PTX
-instructions (``mma``, ``ex2``, loads by width, ``cp.async``).
+"""What a Triton kernel compiles to for an H200 (sm_90), without a GPU: chapter 09 runs
+``python -m minivllm.course.kernel_report`` (TRITON_INTERPRET unset) and reads the JSON it
+prints: per kernel, shared memory, registers, spills and counts of telling PTX instructions.
 """
 
 from __future__ import annotations
@@ -16,18 +13,10 @@ import sys
 import tempfile
 from collections import Counter
 
-def _compile(fn, pointers: dict, **kwargs):
-    """Compile ``fn`` for sm_90 as a launch from torch would: pointers and strides declared
-    multiples of 16 (``minivllm.kernels.aot``)."""
-    from minivllm.kernels.aot import compile_for_sm90
-
-    return compile_for_sm90(fn, pointers, aligned=True, **kwargs)
-
 
 def _resource_usage(cubin: bytes) -> dict:
     """Registers per thread, stack and local (spill) bytes, from the cubin via cuobjdump."""
     import triton
-
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return {}
@@ -50,7 +39,8 @@ def _ptx_summary(ptx: str) -> dict:
         if words and words[0][0].isalpha():
             ops[words[0]] += 1
     mma = sorted({op for op in ops if op.startswith(("mma.", "wgmma."))})
-    loads = {op: n for op, n in ops.items() if op.startswith(("ld.global", "cp.async.cg", "cp.async.ca"))}
+    loads = {op: n for op, n in ops.items()
+             if op.startswith(("ld.global", "cp.async.cg", "cp.async.ca"))}
     return {
         "ptx_lines": len(ptx.splitlines()),
         "mma_instructions": sum(ops[op] for op in mma),
@@ -63,31 +53,31 @@ def _ptx_summary(ptx: str) -> dict:
 
 
 def report() -> dict:
-    """The decode attention kernel (stage 1, several partitions) for Qwen3-0.6B's attention
-    (16 query heads over 8 KV heads, head_dim 128) in bf16, and the fused add + RMSNorm for its
-    hidden size (1024), in bf16."""
+    """Decode attention (stage 1) for Qwen3-0.6B's attention and the fused add + RMSNorm for its
+    hidden size, in bf16, compiled as a launch from torch would (pointers aligned to 16)."""
     from minivllm.kernels import decode_attention, rms_norm
+    from minivllm.kernels.aot import compile_for_sm90
 
     kv = dict(k_cache_ptr="bf16", v_cache_ptr="bf16", block_tables_ptr="i32", seq_lens_ptr="i32")
     kernels = {
-        "decode attention, stage 1 (Qwen3-0.6B: GQA group 2, head_dim 128, bf16)": _compile(
-            decode_attention._decode_partition_kernel,
-            dict(q_ptr="bf16", acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32", out_ptr="bf16", **kv),
+        "decode attention, stage 1 (Qwen3-0.6B: GQA group 2, head_dim 128, bf16)": compile_for_sm90(
+            decode_attention._decode_partition_kernel, aligned=True, pointers=dict(
+                q_ptr="bf16", acc_ptr="fp32", max_ptr="fp32", sum_ptr="fp32", out_ptr="bf16", **kv),
             floats=("qk_scale",), divisible=("block_size", "head_dim", "partition_size"),
             constexprs=dict(GROUP=2, BLOCK_G=16, BLOCK_N=decode_attention.BLOCK_N, BLOCK_D=128,
                             DOT_PRECISION="tf32", SINGLE_SPLIT=False)),
-        "fused add + RMSNorm (hidden 1024, bf16)": _compile(
-            rms_norm._rms_norm_kernel,
-            dict(x_ptr="bf16", residual_ptr="bf16", out_ptr="bf16", residual_out_ptr="bf16",
-                 weight_ptr="bf16"), floats=("eps",), divisible=("n_cols",),
+        "fused add + RMSNorm (hidden 1024, bf16)": compile_for_sm90(
+            rms_norm._rms_norm_kernel, aligned=True, pointers=dict(
+                x_ptr="bf16", residual_ptr="bf16", out_ptr="bf16", residual_out_ptr="bf16",
+                weight_ptr="bf16"), floats=("eps",), divisible=("n_cols",),
             constexprs=dict(HAS_RESIDUAL=True, BLOCK_ROWS=2, BLOCK=1024), num_warps=4),
     }
     out = {}
     for name, compiled in kernels.items():
         md = compiled.metadata
-        out[name] = {"target": f"{md.target.backend} sm_{md.target.arch}", "num_warps": md.num_warps,
-                     "shared_memory_bytes": md.shared, **_resource_usage(compiled.asm["cubin"]),
-                     **_ptx_summary(compiled.asm["ptx"])}
+        out[name] = {"target": f"{md.target.backend} sm_{md.target.arch}",
+                     "num_warps": md.num_warps, "shared_memory_bytes": md.shared,
+                     **_resource_usage(compiled.asm["cubin"]), **_ptx_summary(compiled.asm["ptx"])}
     return out
 
 

@@ -1,16 +1,13 @@
-"""Chapter 07's load test: a server driven by many streaming clients, the "GPU" timeline read back.
-
-``paced_server_run(multiprocess)`` starts ``minivllm serve`` with the paced model runner
-(``minivllm/sim/paced_runner.py``: no model, each step sleeps the time an H100 serving
-Llama-3-8B would take), the engine core in its own process or on a thread of the server's,
-drives it with ``bench serve``'s client (streaming requests, at most ``num_clients`` in flight,
-/health probed meanwhile), stops it, and reads back when each step's simulated GPU work ran.
+"""Chapter 07's load test: ``minivllm serve`` with the paced model runner (no model: each step
+sleeps what an H100 serving Llama-3-8B would take), driven by ``bench serve``'s streaming
+clients; then when each step's simulated GPU work ran is read back.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import tempfile
 import threading
@@ -21,20 +18,8 @@ PACED_RUNNER = "minivllm.sim.paced_runner:PacedModelRunner"
 def run_coroutine(make_coro):
     """Run ``make_coro()`` to completion on a fresh event loop in a thread (a notebook's kernel
     already runs a loop, so ``asyncio.run`` cannot be called from it)."""
-    result: list = []
-
-    def target() -> None:
-        try:
-            result.append(asyncio.run(make_coro()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            result.append(e)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # re-raises what the coroutine raised
+        return pool.submit(lambda: asyncio.run(make_coro())).result()
 
 
 def client_args(base_url: str, num_clients: int, num_prompts: int, input_len: int,
@@ -63,11 +48,6 @@ def bench(args: argparse.Namespace, keep_results: bool = False) -> dict:
     return run_coroutine(lambda: run_benchmark(args, requests, model, keep_results))
 
 
-def read_gpu_log(path: str) -> list[tuple[float, float, int]]:
-    with open(path) as f:
-        return [(float(a), float(b), int(n)) for a, b, n in (line.split() for line in f if line.strip())]
-
-
 def gpu_timeline(steps: list[tuple[float, float, int]]) -> dict:
     """From the steps' (start, end, tokens): the gaps between steps, the busy fraction."""
     gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
@@ -86,23 +66,20 @@ def paced_server_run(multiprocess: bool, num_clients: int = 128, num_prompts: in
 
     fd, log = tempfile.mkstemp(prefix="minivllm-paced-", suffix=".log")
     os.close(fd)
-    env = {**os.environ, "MINIVLLM_PACED_LOG": log}
-    flags = ["--model-runner-cls", PACED_RUNNER, "--port", "0",
-             "--max-num-seqs", str(num_clients), *(server_flags or [])]
-    if not multiprocess:
-        flags.append("--no-multiprocess")
-    server = ServerProcess(flags, env=env)
+    flags = ["--model-runner-cls", PACED_RUNNER, "--port", "0", "--max-num-seqs", str(num_clients),
+             *(server_flags or []), *([] if multiprocess else ["--no-multiprocess"])]
+    server = ServerProcess(flags, env={**os.environ, "MINIVLLM_PACED_LOG": log})
     try:
         url = server.wait_ready()
         summary = bench(client_args(url, num_clients, num_prompts, input_len, output_len,
                                     health_interval=health_interval, seed=seed))
     finally:
         server.stop()
-    steps = read_gpu_log(log)
+    with open(log) as f:
+        steps = [(float(a), float(b), int(n)) for a, b, n in (s.split() for s in f if s.strip())]
     os.remove(log)
     # the client's warm-up request (8 prompt tokens) came first: the load begins with a prefill
-    first = next((i for i, s in enumerate(steps) if s[2] > 8), len(steps))
-    steps = steps[first:]
+    steps = steps[next((i for i, s in enumerate(steps) if s[2] > 8), len(steps)):]
     return {"summary": summary, "steps": steps, **gpu_timeline(steps)}
 
 
@@ -132,7 +109,6 @@ class MetricsScraper:
         import time
 
         import httpx
-
         with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
                 try:

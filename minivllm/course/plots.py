@@ -1,7 +1,4 @@
-"""Plot helpers shared by several chapters (matplotlib only; imported lazily): the KV block map
-by request (chapter 03), continuous batching's steps per request (chapter 04), token timelines,
-TPOT distributions and scheduler ticks (chapters 04-05), the KV block map by block state and
-prefix caching's three panels (chapter 06)."""
+"""Plot helpers shared by several chapters (matplotlib, imported lazily)."""
 
 from __future__ import annotations
 
@@ -10,16 +7,11 @@ from minivllm.utils import cdiv
 
 def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: int = 16,
                    title: str | None = None, colors: dict[str, object] | None = None) -> dict:
-    """Draw the KV cache as a grid of blocks, each coloured by the request holding it.
-
-    ``tables``: request id -> block ids (as ``views.block_tables`` returns). Free blocks are
-    white. Each block shows its index within its request's block table (0, 1, 2, ...), so
-    a request's blocks can be followed in order even when scattered. Returns the colours
-    used, so a series of maps (one per step) can keep each request's colour.
-    """
+    """The KV cache as a grid of blocks coloured by the request holding them (``tables``, as
+    ``views.block_tables`` returns), each labelled with its index in the request's block table.
+    Returns the colours used, for a series of maps to keep each request's colour."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
-
     colors = dict(colors or {})
     palette = plt.get_cmap("tab20").colors
     for rid in tables:
@@ -36,13 +28,8 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
                                facecolor=colors[rid] if rid else "white"))
         if rid is not None:
             ax.text(c + 0.475, rows - 1 - r + 0.475, str(i), ha="center", va="center", fontsize=7)
-    ax.set_xlim(0, columns)
-    ax.set_ylim(0, rows)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set_xlabel(f"KV blocks 0..{num_blocks - 1}, row by row "
-                  "(number: index in the request's block table)")
+    _grid_axes(ax, columns, rows, f"KV blocks 0..{num_blocks - 1}, row by row "
+               "(number: index in the request's block table)")
     if tables:
         ax.legend(handles=[Patch(facecolor=colors[r], label=f"request {r}") for r in tables],
                   loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
@@ -51,12 +38,20 @@ def draw_block_map(ax, tables: dict[str, list[int]], num_blocks: int, columns: i
     return colors
 
 
+def _grid_axes(ax, columns: int, rows: int, xlabel: str) -> None:
+    ax.set_xlim(0, columns)
+    ax.set_ylim(0, rows)
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel(xlabel)
+
+
 def draw_batching_timeline(ax, trace: list[dict], request_ids: list[str]) -> int:
     """One row per request, one cell per engine step: orange a prefill, blue a decode, hatched
     grey a step the request sat out while running (v0's prefill steps pause every decode).
     Returns how many such paused cells there are."""
     import matplotlib.pyplot as plt
-
     steps_of = {rid: [t["step"] for t in trace if any(r == rid for r, _, _ in t["scheduled"])]
                 for rid in request_ids}
     paused = 0
@@ -83,12 +78,8 @@ def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float,
                         marks: dict | None = None,
                         highlight: str | None = None, title: str | None = None,
                         unit: str = "s") -> None:
-    """One row per request, one tick per output token, at its time minus ``t0``.
-
-    A stall is a vertical band where no row has a tick. ``marks``: {label: time} drawn as
-    vertical lines (the long prompt's arrival, its first token). ``highlight``: a request
-    drawn in another colour (the long prompt).
-    """
+    """One row per request, one tick per output token at its time minus ``t0``; ``marks``
+    ({label: time}) as vertical lines, ``highlight`` (a request id) in red."""
     rids = list(token_times)
     scale = 1e3 if unit == "ms" else 1.0
     rows = [[(t - t0) * scale for t in token_times[r]] for r in rids]
@@ -107,10 +98,9 @@ def draw_token_timeline(ax, token_times: dict[str, list[float]], t0: float,
 
 def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
                   title: str | None = None) -> None:
-    """The distribution of times between consecutive output tokens, one curve per run, with each
-    run's P99 marked (a stall lives in the tail: the median barely moves)."""
+    """The distribution of times between consecutive output tokens, one curve per run, P99s
+    marked."""
     from minivllm.benchmarks.common import percentile
-
     scale = 1e3 if unit == "ms" else 1.0
     for label, values in gaps.items():
         v = sorted(g * scale for g in values)
@@ -130,9 +120,8 @@ def draw_tpot_cdf(ax, gaps: dict[str, list[float]], unit: str = "ms",
 
 def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit: str = "ms",
                        title: str | None = None) -> None:
-    """Each gap between two consecutive tokens of a request, drawn as a step over the interval
-    it lasted (one line per run): a stall is a wide, high step, a slow-down a raised plateau.
-    A gap is never joined to its neighbours by a ramp: nothing came out in between."""
+    """Each gap between consecutive tokens drawn as a step over the interval it lasted, one
+    line per run (a stall: a wide, high step)."""
     scale = 1e3 if unit == "ms" else 1.0
     for label, times in token_times.items():
         edges = [(t - t0) * scale for t in times]
@@ -147,10 +136,8 @@ def draw_tpot_over_time(ax, token_times: dict[str, list[float]], t0: float, unit
 
 
 def plain_log_axis(axis) -> None:
-    """Make ``axis`` (``ax.xaxis`` or ``ax.yaxis``) a log scale with ticks at 1, 2, 5, 10, 20, ...
-    labelled as plain numbers (not 10^1, 2x10^2, ...)."""
+    """Make ``axis`` a log scale with ticks at 1, 2, 5, 10, 20, ... as plain numbers."""
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
     if axis is axis.axes.xaxis:
         axis.axes.set_xscale("log")
     else:
@@ -161,11 +148,9 @@ def plain_log_axis(axis) -> None:
 
 
 def draw_scheduler_tick(ax, step: dict, order: list[str], waiting: list[str] | None = None) -> None:
-    """One scheduler step (an entry of ``get_step_trace()``) as horizontal bars: how many tokens
-    each request got, decode (blue) or prefill chunk (orange); the last bar stacks the whole
-    step against its token budget. Preempted requests are marked."""
+    """One ``get_step_trace()`` step as bars: each request's tokens (decode blue, prefill
+    orange), preemptions marked, and the whole step stacked against its token budget."""
     from matplotlib.patches import Patch
-
     got = {rid: (n, kind) for rid, n, kind in step["scheduled"]}
     preempted = set(step.get("preempted", []))
     color = {"decode": "tab:blue", "prefill": "tab:orange"}
@@ -202,17 +187,11 @@ FREE, CACHED_FREE = "white", "#b8e0b0"
 
 
 def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = None) -> None:
-    """Draw the KV cache as a grid of blocks coloured by state (``views.kv_block_states``).
-
-    Free blocks are white; cached-free blocks (nobody holds them, but they keep their hash, so a
-    request with the same prefix can revive them) are green, labelled with their place in the
-    free queue (#1 is taken next, its hash evicted); free blocks are numbered the same way: the
-    queue is ordered by when a block was freed, hash or not. Blocks in use are blue, darker the
-    more requests share them, labelled with their reference count.
-    """
+    """The KV cache as a grid of blocks coloured by state (``views.kv_block_states``): in use
+    blue (darker the higher the ref count, which labels it), cached-free green, free white; free
+    blocks are labelled with their place in the free queue (#1 is taken next)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
-
     ref_cnt = states["ref_cnt"]
     cached = [h is not None for h in states["block_hash"]]
     place = {b: i + 1 for i, b in enumerate(states["free_order"])}
@@ -235,12 +214,7 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
         ax.add_patch(Rectangle((x, y), 0.95, 0.95, edgecolor="0.6", facecolor=color))
         if label:
             ax.text(x + 0.475, y + 0.475, label, ha="center", va="center", **text)
-    ax.set_xlim(0, columns)
-    ax.set_ylim(0, rows)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set_xlabel(f"KV blocks 0..{num_blocks - 1}, row by row")
+    _grid_axes(ax, columns, rows, f"KV blocks 0..{num_blocks - 1}, row by row")
     used = sum(1 for n in ref_cnt if n > 0)
     num_cached_free = sum(1 for n, h in zip(ref_cnt, cached) if n == 0 and h)
     ax.legend(handles=[
@@ -256,13 +230,10 @@ def draw_block_states(ax, states: dict, columns: int = 16, title: str | None = N
 
 def draw_paged_tiles(ax, block_table: list[int], seq_len: int, block_size: int, tile: int,
                      partition: int, num_blocks: int) -> None:
-    """Chapter 09: how the decode kernel walks one sequence's context. Top: its tokens 0 ..
-    seq_len-1, cut into partitions (one program each) and tiles (one loop iteration each);
-    bottom: the KV cache's blocks, those of the sequence marked with which logical block they
-    hold; a line joins each logical block to its physical block (the block-table lookup)."""
+    """How the decode kernel walks one sequence: its tokens cut into partitions and tiles (top),
+    each logical block joined to its physical block in the KV cache (bottom)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
-
     colors = plt.get_cmap("tab10")
     used = -(-seq_len // block_size)
     width = num_blocks * block_size  # both rows share the x axis: tokens or slots
@@ -297,15 +268,12 @@ def draw_paged_tiles(ax, block_table: list[int], seq_len: int, block_size: int, 
 
 def draw_prefix_caching_runs(runs: dict, num_prompts: int, shared: int, block_size: int,
                              prompt_tokens: int):
-    """Chapter 06's three panels, for one run of ``bench shared-prefix`` (``run_once``) or
-    several side by side: mean time to first token; prompt tokens computed; KV blocks in use at
-    the peak. The last two are split into the system prompt's share (``shared`` tokens in each
-    of ``num_prompts`` prompts, ``prompt_tokens`` in all) and each chat's own.
-    ``runs``: {"prefix caching off" | "prefix caching on": run}. Returns (figure, axes)."""
+    """Chapter 06's panels for ``runs`` ({"prefix caching off" | "prefix caching on": run}):
+    mean TTFT, prompt tokens computed and peak KV blocks, the last two split into the system
+    prompt's share and each chat's own. Returns (figure, axes)."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.patches import Patch
-
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     names = list(runs)
     color = {"prefix caching off": "tab:red", "prefix caching on": "tab:green"}

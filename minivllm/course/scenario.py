@@ -1,10 +1,6 @@
-"""Chapters 04 and 05's workload (16 chats decoding when one long prompt arrives) and chapter
-06's (a museum help desk: one long system prompt, twelve questions).
-
-Both chapters run the same scenario (``minivllm.benchmarks.long_prompt.run_scenario``) with the
-same settings, so v0's stall in chapter 04 and v1's chunked prefill in chapter 05 are measured
-on one workload and their plots compare side by side.
-"""
+"""Chapters 04 and 05's workload (16 chats decoding when one long prompt arrives: one
+scenario, so v0's stall and v1's chunked prefill compare side by side) and chapter 06's (a
+museum help desk: one long system prompt, twelve questions)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ V0 = dict(scheduler="v0", max_num_batched_tokens=2048)  # v0: a whole prompt in 
 
 
 def v1(chunk: int) -> dict:
-    """v1 with v0's step budget, and prefill chunks of at most ``chunk`` tokens per request and
-    step (``long_prefill_token_threshold``)."""
+    """v1 with v0's step budget and prefill chunks of at most ``chunk`` tokens."""
     return dict(scheduler="v1", long_prefill_token_threshold=chunk, max_num_batched_tokens=2048)
 
 

@@ -21,13 +21,9 @@ SWAPPABLE = ("scheduler", "scheduler_cls", "kv_cache_manager_cls", "max_num_seqs
 
 @contextmanager
 def swapped_scheduler(llm, **overrides):
-    """Run ``llm`` with the scheduler these engine arguments describe; yields the scheduler.
-
-    The arguments are checked exactly as ``LLM(...)`` checks them (e.g. ``scheduler="v0"``
-    needs ``max_num_batched_tokens >= max_model_len``). ``num_kv_blocks`` may shrink the KV
-    cache (to force preemption), never grow it. The step trace starts empty. On leaving,
-    requests still unfinished are aborted and the LLM's own scheduler and trace come back.
-    """
+    """Run ``llm`` with the scheduler these engine arguments (checked as ``LLM(...)`` does)
+    describe; yields it. ``num_kv_blocks`` may shrink the KV cache, never grow it. On leaving,
+    unfinished requests are aborted and the LLM's own scheduler and trace come back."""
     unknown = set(overrides) - set(SWAPPABLE)
     if unknown:
         raise ValueError(f"swapped_scheduler can change only {SWAPPABLE}, not {sorted(unknown)}")
@@ -40,7 +36,6 @@ def swapped_scheduler(llm, **overrides):
     if num_blocks > capacity:
         raise ValueError(f"num_kv_blocks={num_blocks}: the KV cache holds only {capacity} blocks")
     config = dataclasses.replace(llm.engine_args, **overrides).create_config()
-
     asked, built = config.scheduler_config.max_num_seqs, core.config.scheduler_config.max_num_seqs
     if asked > built:
         raise ValueError(f"max_num_seqs={asked}: the engine was built for at most {built}")
@@ -54,6 +49,5 @@ def swapped_scheduler(llm, **overrides):
             if left:
                 engine.abort_request(left)
         finally:
-            # always put the engine's own scheduler back, even if a failing scheduler (a
-            # learner's, mid-exercise) cannot even abort its requests
+            # always put the engine's own scheduler back, even if a failing one cannot abort
             replace_scheduler(core, *own, force=True)

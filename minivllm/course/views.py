@@ -1,9 +1,5 @@
-"""Read-only views into a running engine, for chapters that open it up, and the scheduler swap.
-
-The engine core runs in the notebook's process (``LLM(...)`` without ``multiprocess=True``), so
-its scheduler, KV cache manager and model runner can be looked at directly between steps. What
-the chapters read is assembled here from the engine's own API (``KVCacheManager.get_block_ids``,
-the block pool's ``blocks`` and ``free_block_queue``); the engine carries no view of its own.
+"""Read-only views into an in-process engine (``LLM(...)`` without ``multiprocess=True``), for
+chapters that open it up between steps, built from the engine's own API; and the scheduler swap.
 """
 
 from __future__ import annotations
@@ -33,13 +29,9 @@ def running_requests(llm) -> list:
 
 
 def kv_block_states(llm) -> dict:
-    """Every KV block's state, for ``plots.draw_block_states`` (chapter 06).
-
-    ``ref_cnt``: per block, how many running requests hold it; ``block_hash``: per block, the
-    first 8 hex digits of its hash (None: no hash, not in the prefix cache); ``free_order``: the
-    free queue from its head (the next block ``get_new_blocks`` takes) to its tail; ``tables``:
-    request id -> its block ids.
-    """
+    """Every KV block's state, for ``plots.draw_block_states``: ``ref_cnt`` and ``block_hash``
+    (first 8 hex digits, None: not cached) per block, ``free_order`` (the free queue, head
+    first) and ``tables`` (request id -> block ids)."""
     pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
     return {
         "ref_cnt": [b.ref_cnt for b in pool.blocks],
@@ -51,17 +43,12 @@ def kv_block_states(llm) -> dict:
 
 def replace_scheduler(core, scheduler, step_trace: deque | None = None, num_steps: int = 0,
                       *, force: bool = False) -> tuple:
-    """Put ``scheduler`` in charge of ``core``'s next steps; return what it replaces.
+    """Put ``scheduler`` in charge of ``core``'s next steps, between requests; return the old
+    (scheduler, trace, step count), which a second call puts back.
 
-    Only between requests (none unfinished). Requests that ended but whose end the model runner
-    has not been told yet are handed to the new scheduler, which tells it on its first step.
-    The step trace and the step count start over (or take the given ones). Returns the old
-    scheduler, trace and step count, which a second call puts back (``course.swap`` runs one
-    loaded model under several schedulers this way).
-
-    ``force`` replaces even a scheduler that still holds requests (a learner's scheduler that
-    failed mid-run, whose requests the front end has aborted): they are dropped, and the runner
-    is told they finished, so no row of its persistent batch outlives them.
+    Ended requests the model runner has not been told of yet pass to the new scheduler. The trace
+    and step count start over (or take the given ones). ``force`` replaces even a scheduler that
+    still holds requests (a learner's that failed mid-run): the runner is told they finished.
     """
     if not force and core.scheduler.has_unfinished_requests():
         raise ValueError("the engine still has unfinished requests: finish or abort them first")

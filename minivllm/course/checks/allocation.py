@@ -4,7 +4,7 @@ calls on a bare manager, then the engine with too few blocks, step by step besid
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections import namedtuple
 
 import numpy as np
 
@@ -23,41 +23,36 @@ CONVENTION = (
 ANSWER = ("minivllm.core.kv_cache_manager:KVCacheManager.allocate_slots",)
 ALLOWED = ("self.req_to_blocks, self.block_size and self.block_pool (get_num_free_blocks, "
            "get_new_blocks)")
-
-
-class _Grown(NamedTuple):
-    held: int  # blocks before the call
-    tokens: int  # tokens after it
-    block_size: int
-    now: int  # blocks the learner's manager holds after it
-
-
+# blocks held before a call, tokens after it, the block size, blocks the learner's manager holds
+_Grown = namedtuple("_Grown", "held tokens block_size now")
 MISTAKES = [
     (lambda g: g.tokens % g.block_size and g.now == g.tokens // g.block_size,
-     "that is floor(tokens / block_size) blocks: a partly filled last block is a block too, "
-     "round up."),
+     ("that is floor(tokens / block_size) blocks: a partly filled last block is a block too, "
+      "round up.")),
     (lambda g: g.held and g.now == g.held + cdiv(g.tokens, g.block_size),
-     "that is ceil(tokens / block_size) new blocks on top of those it held: the blocks it "
-     "already holds count."),
+     ("that is ceil(tokens / block_size) new blocks on top of those it held: the blocks it "
+      "already holds count.")),
     (lambda g: g.tokens % g.block_size == 0 and g.now == g.tokens // g.block_size + 1,
-     "that is tokens // block_size + 1 blocks, one too many when the tokens fill their last "
-     "block exactly."),
+     ("that is tokens // block_size + 1 blocks, one too many when the tokens fill their last "
+      "block exactly.")),
 ]
-
-# (request, computed tokens, new tokens, what, pass the cache-hit arguments); None: "a" finishes
+# (request, computed tokens, new tokens, what[, pass the cache-hit arguments]); None: "a" finishes
 SCENARIOS = [
-    ("a", 0, 9, "a new request's 9-token prompt", False),  # 3 blocks (not 2: round up)
-    ("a", 9, 1, "its first decode", False),  # 10 tokens in 3 blocks: nothing new
-    ("a", 10, 2, "2 more tokens", False),  # 12 tokens fill 3 blocks exactly: nothing new
-    ("a", 12, 1, "one more", False),  # the 13th token needs a 4th block
-    ("b", 0, 8, "a prompt of exactly 2 blocks", False),  # 2, not 3
+    ("a", 0, 9, "a new request's 9-token prompt"),  # 3 blocks (not 2: round up)
+    ("a", 9, 1, "its first decode"),  # 10 tokens in 3 blocks: nothing new
+    ("a", 10, 2, "2 more tokens"),  # 12 tokens fill 3 blocks exactly: nothing new
+    ("a", 12, 1, "one more"),  # the 13th token needs a 4th block
+    ("b", 0, 8, "a prompt of exactly 2 blocks"),  # 2, not 3
     ("c", 0, 12, "a prompt of 3 blocks", True),  # 9 of 10 blocks now held
-    ("b", 8, 8, "no room (2 new blocks needed, 1 free)", False),  # refused, nothing taken
-    ("d", 0, 5, "a new request with no room", False),  # refused
-    ("c", 12, 4, "exactly enough room (1 needed, 1 free)", False),  # taken
+    ("b", 8, 8, "no room (2 new blocks needed, 1 free)"),  # refused, nothing taken
+    ("d", 0, 5, "a new request with no room"),  # refused
+    ("c", 12, 4, "exactly enough room (1 needed, 1 free)"),  # taken
     None,
-    ("d", 0, 5, "a new request after another finished", False),  # 2 blocks
+    ("d", 0, 5, "a new request after another finished"),  # 2 blocks
 ]
+NUM_RANDOM_CALLS = 300
+ENGINE_SETTINGS = {"enable_prefix_caching": False, "num_kv_blocks": 14,
+                   "max_num_batched_tokens": 32, "max_num_seqs": 8, "scheduler": "v1"}
 
 
 def check_allocate_slots(kv_cache_manager_cls: type, exercise: str = "3.1", seed: int = 0) -> None:
@@ -68,25 +63,24 @@ def check_allocate_slots(kv_cache_manager_cls: type, exercise: str = "3.1", seed
     for row in SCENARIOS:
         if row is None:
             led.free("a")
-            continue
-        rid, computed, new, what, hit_args = row
-        extra = dict(num_new_computed_tokens=0, new_computed_blocks=[]) if hit_args else {}
-        led.call(rid, computed, new, what, **extra)
-    calls = len(SCENARIOS) - 1 + _random_calls(ex, cls, seed)
+        else:
+            led.call(*row)
+    _random_calls(ex, cls, seed)
     expected, got = _reference_run(seed), _engine_run(cls, seed)
     if len(got["outputs"]) < len(expected["outputs"]):
         ex.fail("the engine did not finish the workload in 400 steps with your allocate_slots: "
                 "requests never got their blocks.")
-    where = (f"in the engine ({ENGINE_SETTINGS['num_kv_blocks']} KV blocks of 8 tokens, caching "
-             "off, a workload that outgrows them)")
+    blocks = ENGINE_SETTINGS["num_kv_blocks"]
+    where = (f"in the engine ({blocks} KV blocks of 8 tokens, caching off, a workload that "
+             "outgrows them)")
     ex.compare_lists(f"{where}, ({{request: blocks it holds}}, free blocks) after each step "
                      "(item i: after step i + 1)", got["steps"], expected["steps"])
     bad = sorted(r for r, t in expected["outputs"].items() if got["outputs"].get(r) != t)
     if bad:
         ex.fail(f"{where}: requests {bad} generated other tokens than with the package's "
                 "allocate_slots.")
-    ex.passed(f"allocate_slots follows the rule on {calls} calls, and the engine using it "
-              f"({len(expected['steps'])} steps, {ENGINE_SETTINGS['num_kv_blocks']} KV blocks, "
+    ex.passed(f"allocate_slots follows the rule on {len(SCENARIOS) - 1 + NUM_RANDOM_CALLS} calls, "
+              f"and the engine using it ({len(expected['steps'])} steps, {blocks} KV blocks, "
               f"{expected['preemptions']} preemptions) holds the package's blocks after every "
               "step and generates the reference tokens.")
 
@@ -101,7 +95,7 @@ class _Ledger:
             ex.fail(f"{cls.__name__} is not a KVCacheManager subclass: subclass it and write "
                     "allocate_slots (the engine calls the rest of its methods).")
 
-    def call(self, rid: str, computed: int, new: int, what: str, **extra) -> bool:
+    def call(self, rid: str, computed: int, new: int, what: str, hit_args: bool = False) -> bool:
         """``allocate_slots`` for ``new`` tokens after ``computed``; False if rightly refused."""
         request = self.requests.setdefault(rid, Request.from_prompt(rid, [100]))
         request.num_computed_tokens = computed
@@ -112,10 +106,11 @@ class _Ledger:
                  f"computed tokens and asks for {new} more ({total} in all), and the pool has "
                  f"{free} free")
         no_room = f"{where}: it needs {need} new blocks, more than are free"
+        extra = {"num_new_computed_tokens": 0, "new_computed_blocks": []} if hit_args else {}
         try:
             got = self.manager.allocate_slots(request, new, **extra)
         except TypeError as e:
-            if extra:
+            if hit_args:
                 ex.fail(f"{where}, with num_new_computed_tokens=0, new_computed_blocks=[]: "
                         f"allocate_slots raised {e!r}: accept those arguments too.")
             raise
@@ -152,13 +147,13 @@ class _Ledger:
         self.held.pop(rid, None)
 
 
-def _random_calls(ex: Exercise, cls: type, seed: int, num_calls: int = 300) -> int:
+def _random_calls(ex: Exercise, cls: type, seed: int) -> None:
     """Requests growing by prefill chunks and decodes, finishing, and running out of blocks."""
     rng = np.random.default_rng(seed)
     led = _Ledger(ex, cls, num_blocks=24, block_size=int(rng.choice([2, 4, 8])))
     computed: dict[str, int] = {}
     next_id = 0
-    for _ in range(num_calls):
+    for _ in range(NUM_RANDOM_CALLS):
         op = rng.random()
         if computed and op < 0.12:
             rid = str(rng.choice(sorted(computed)))
@@ -176,14 +171,9 @@ def _random_calls(ex: Exercise, cls: type, seed: int, num_calls: int = 300) -> i
         elif computed[rid] == 0:
             led.free(rid)  # refused at admission: it holds nothing and waits
             del computed[rid]
-    return num_calls
 
 
-ENGINE_SETTINGS = dict(enable_prefix_caching=False, num_kv_blocks=14, max_num_batched_tokens=32,
-                       max_num_seqs=8, scheduler="v1")
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_run(seed: int) -> dict:
     return _engine_run(None, seed)
 
@@ -193,7 +183,6 @@ def _engine_run(cls: type | None, seed: int) -> dict:
     package's) as the KV cache manager: (blocks held, free blocks) after each step, outputs."""
     from minivllm.course.checks.scheduler import run_arrivals
     from minivllm.course.swap import swapped_scheduler
-
     llm, rng = check_engine(), np.random.default_rng(seed)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     arrivals, at, steps = [], 0, []
@@ -209,4 +198,4 @@ def _engine_run(cls: type | None, seed: int) -> dict:
             steps.append(({k: v for k, v in held.items() if v}, manager.get_num_free_blocks()))
 
         outputs = run_arrivals(llm, arrivals, 400, record)
-        return dict(steps=steps, outputs=outputs, preemptions=scheduler.num_preemptions)
+        return {"steps": steps, "outputs": outputs, "preemptions": scheduler.num_preemptions}

@@ -1,6 +1,5 @@
-"""Chapter 11's graders: 11.1, a tuner for goodput under P99 targets drawn when grading, on the
-simulated engine (a shortfall names the target missed, never a better choice); 11.2, an engine
-of the learner's own sampler, scheduler and block pool against the package's engine."""
+"""Chapter 11's graders: 11.1, a tuner for goodput under P99 targets drawn now, on the simulated
+engine; 11.2, an engine of the learner's sampler, scheduler and block pool against the package's."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ MAX_EVALUATIONS = 20
 TTFT_TARGETS_MS = (300.0, 400.0, 500.0, 600.0, 800.0)
 MIDDLE_TTFT_MS = (400.0, 500.0, 600.0)  # where a tight and a loose ITL want different choices
 TIGHT_ITL_MS, LOOSE_ITL_MS = (20.0, 25.0), (40.0, 50.0)
-DRAWS = 3
 SWEEP_BUDGETS = (256, 384, 512, 768, 1024, 1536)
 SWEEP_SEQS = (16, 32, 256)
 
@@ -45,16 +43,15 @@ ANSWER = ("minivllm.course.checks.capstone:_reference_choice",
 
 def draw_targets(seed: int | None = None) -> list[dict]:
     """Target sets: a tight P99 ITL, a loose one and one between (the last two with a P99 TTFT
-    target where the best budget differs from the tight set's)."""
-    rng = random.Random(seed) if seed is not None else random.SystemRandom()
+    target where the best budget differs from the tight set's); ``seed`` None: drawn now."""
+    rng = random.Random(seed)
     return [{"p99_ttft_ms": rng.choice(TTFT_TARGETS_MS), "p99_itl_ms": rng.choice(TIGHT_ITL_MS)},
             {"p99_ttft_ms": rng.choice(MIDDLE_TTFT_MS), "p99_itl_ms": rng.choice(LOOSE_ITL_MS)},
             {"p99_ttft_ms": rng.choice(MIDDLE_TTFT_MS), "p99_itl_ms": 30.0}]
 
 
 def _config(budget: int, seqs: int) -> dict:
-    return {"max_num_batched_tokens": budget, "long_prefill_token_threshold": 0,
-            "max_num_seqs": seqs}
+    return dict(zip(KNOBS, (budget, 0, seqs)))
 
 
 def _reference_choice(goodput_of) -> dict:
@@ -66,58 +63,60 @@ def _reference_choice(goodput_of) -> dict:
 
 
 def check_goodput_tuner(tune, exercise: str = "11.1", seed: int | None = None) -> None:
-    """``tune(evaluate, targets) -> config``, graded for target sets drawn now (``seed``: the
-    same draw again)."""
+    """``tune(evaluate, targets) -> config`` for targets drawn now (``seed``: the same again)."""
     ex = Exercise(exercise, CONVENTION, ANSWER, allowed="the evaluate it is given")
     tune = ex.take(tune, "tune")
-    workload = chat_and_documents()
-    for targets in draw_targets(seed):
-        memo: dict[tuple, dict] = {}
-        calls = [0]
-
-        def goodput_of(config: dict) -> dict:
-            key = tuple(int(config[k]) for k in KNOBS)
-            if key not in memo:
-                memo[key] = evaluate_goodput(config, workload, targets)
-            return memo[key]
-
-        @ex.provide
-        def evaluate(config):
-            problem = config_problem(config)
-            if problem:
-                ex.fail(f"tune called evaluate with an invalid config ({problem}).")
-            calls[0] += 1
-            if calls[0] > MAX_EVALUATIONS:
-                ex.fail(f"tune called evaluate more than {MAX_EVALUATIONS} times for targets "
-                        f"{targets}: search the knobs with fewer evaluations (each is a set of "
-                        "simulated serving runs).")
-            return copy.deepcopy(goodput_of(config))
-
-        got = tune(evaluate, dict(targets))
-        problem = config_problem(got)
-        if problem:
-            ex.fail(f"for targets {targets}, tune returned {got!r}: {problem}.")
-        mine, ref = goodput_of(got), goodput_of(_reference_choice(goodput_of))
-        if mine["goodput"] >= ref["goodput"]:
-            continue
-        limit = mine["limit"]
-        missed = " and ".join(f"{NAMES[k]} {limit[k]:.1f} ms > {targets[k]:g} ms (by "
-                              f"{limit['misses'][k]:.1f} ms)" for k in TARGET_KEYS
-                              if k in limit["misses"])
-        worst = max(limit["misses"], key=lambda k: limit["misses"][k] / targets[k])
-        where = (f"for targets P99 TTFT <= {targets['p99_ttft_ms']:g} ms, P99 ITL <= "
-                 f"{targets['p99_itl_ms']:g} ms (drawn now), your choice ("
-                 + ", ".join(f"{k}={int(got[k])}" for k in KNOBS) + ")")
-        if mine["goodput"] == 0:
-            ex.fail(f"{where} misses the targets even at the lowest rate, {limit['rate']:g} "
-                    f"requests/s: {missed}. The grader's search sustains {ref['goodput']:g} "
-                    f"requests/s. Hint: {HINTS[worst]}.")
-        ex.fail(f"{where} sustains {mine['goodput']:g} requests/s within them; the grader's "
-                f"search sustains {ref['goodput']:g}. At {limit['rate']:g} requests/s yours "
-                f"misses: {missed}. Hint: {HINTS[worst]}.")
+    workload, drawn = chat_and_documents(), draw_targets(seed)
+    for targets in drawn:
+        _grade_tuner(ex, tune, workload, targets)
     ex.passed(f"your tuner's choices reach the goodput of the grader's search for "
-              f"{DRAWS} sets of targets drawn when it was graded, within "
+              f"{len(drawn)} sets of targets drawn when it was graded, within "
               f"{MAX_EVALUATIONS} evaluations each.")
+
+
+def _grade_tuner(ex: Exercise, tune, workload, targets: dict) -> None:
+    """Fail unless ``tune``'s choice for ``targets`` reaches the reference's goodput."""
+    calls = 0
+
+    @functools.cache
+    def run(key: tuple) -> dict:
+        return evaluate_goodput(dict(zip(KNOBS, key)), workload, targets)
+
+    def goodput_of(config: dict) -> dict:
+        return run(tuple(int(config[k]) for k in KNOBS))
+
+    @ex.provide
+    def evaluate(config):
+        nonlocal calls
+        if problem := config_problem(config):
+            ex.fail(f"tune called evaluate with an invalid config ({problem}).")
+        calls += 1
+        if calls > MAX_EVALUATIONS:
+            ex.fail(f"tune called evaluate more than {MAX_EVALUATIONS} times for targets "
+                    f"{targets}: search the knobs with fewer evaluations (each is a set of "
+                    "simulated serving runs).")
+        return copy.deepcopy(goodput_of(config))
+
+    got = tune(evaluate, dict(targets))
+    if problem := config_problem(got):
+        ex.fail(f"for targets {targets}, tune returned {got!r}: {problem}.")
+    mine, ref = goodput_of(got), goodput_of(_reference_choice(goodput_of))
+    if mine["goodput"] >= ref["goodput"]:
+        return
+    limit, misses = mine["limit"], mine["limit"]["misses"]
+    missed = " and ".join(f"{NAMES[k]} {limit[k]:.1f} ms > {targets[k]:g} ms (by "
+                          f"{misses[k]:.1f} ms)" for k in TARGET_KEYS if k in misses)
+    hint = HINTS[max(misses, key=lambda k: misses[k] / targets[k])]
+    where = (f"for targets P99 TTFT <= {targets['p99_ttft_ms']:g} ms, P99 ITL <= "
+             f"{targets['p99_itl_ms']:g} ms (drawn now), your choice ("
+             + ", ".join(f"{k}={int(got[k])}" for k in KNOBS) + ")")
+    if mine["goodput"] == 0:
+        ex.fail(f"{where} misses the targets even at the lowest rate, {limit['rate']:g} "
+                f"requests/s: {missed}. The grader's search sustains {ref['goodput']:g} "
+                f"requests/s. Hint: {hint}.")
+    ex.fail(f"{where} sustains {mine['goodput']:g} requests/s within them; the grader's "
+            f"search sustains {ref['goodput']:g}. At {limit['rate']:g} requests/s yours "
+            f"misses: {missed}. Hint: {hint}.")
 
 
 # -- 11.2 ----------------------------------------------------------------------------------------
@@ -138,7 +137,6 @@ def _serve(classes: dict):
     alone afterwards) on a fresh engine."""
     from minivllm import LLM, SamplingParams
     from minivllm.testing import engine_core
-
     llm = LLM(check_model_path(), show_progress=False, **OWN_ENGINE_ARGS, **classes)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
@@ -157,7 +155,7 @@ def _reference_engine_run():
 
 def check_own_engine(sampler_cls, scheduler_cls, block_pool_cls, exercise: str = "11.2") -> None:
     """An engine of the learner's sampler (2.1), scheduler (5.1) and block pool (6.2) serves a
-    workload end to end; graded by behaviour against the package's engine."""
+    workload, graded by behaviour against the package's engine."""
     ex = Exercise(exercise, OWN_ENGINE_CONVENTION, race_answer(OWN_ENGINE_ANSWER),
                   allowed="the components you wrote in exercises 2.1, 5.1 and 6.2",
                   required=("schedule",))

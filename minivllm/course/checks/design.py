@@ -17,7 +17,6 @@ def _core(core_cls=None, **overrides):
     from minivllm.config import EngineArgs
     from minivllm.course.checks.common import check_model_path
     from minivllm.engine.core import EngineCore
-
     config = EngineArgs(model=check_model_path(), **{**ENGINE, **overrides}).create_config()
     return (core_cls or EngineCore)(config, show_progress=False)
 
@@ -26,19 +25,16 @@ def _request(rid: str, rng: random.Random, arrival: float, prompt_len: int, max_
              priority: int = 0):
     from minivllm import SamplingParams
     from minivllm.engine.messages import EngineCoreRequest
-
     return EngineCoreRequest(rid, [rng.randrange(10, 1000) for _ in range(prompt_len)],
                              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                              arrival_time=arrival, priority=priority)
 
 
-def _rng(seed: int | None) -> random.Random:
-    return random.Random(seed if seed is not None else random.SystemRandom().random())
-
-
-def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> dict:
-    """Add each ``(step, request)`` before that step and step until all finish (no KV block may
-    leak); request id -> its tokens. ``on_step(step, outputs, arrived ids)`` after each step."""
+def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None, want=None,
+           where: str = "") -> dict:
+    """Add each ``(step, request)`` before its step and step until all finish, leaking no KV
+    block; request id -> its tokens, which must equal ``want``'s if given. ``on_step(step,
+    outputs, arrived ids)`` runs after each step."""
     from minivllm.testing import all_free_violations
 
     pending, tokens, finished = sorted(workload, key=lambda w: w[0]), {}, set()
@@ -68,12 +64,9 @@ def _drive(ex: Exercise, core, workload: list, max_steps: int, on_step=None) -> 
             ex.fail("KV blocks leak: " + "; ".join(problems) + ".")
     finally:
         core.shutdown()
+    for rid, expected in (want or {}).items():
+        ex.compare_lists(f"{where}, request {rid}'s greedy tokens", tokens.get(rid, []), expected)
     return tokens
-
-
-def _same_tokens(ex: Exercise, got: dict, want: dict, where: str) -> None:
-    for rid, expected in want.items():
-        ex.compare_lists(f"{where}, request {rid}'s greedy tokens", got.get(rid, []), expected)
 
 
 # -- 5.3 priority preemption ---------------------------------------------------------------------
@@ -101,15 +94,14 @@ def draw_priority_workload(rng: random.Random) -> list:
 
 
 def check_priority_scheduler(scheduler_cls, exercise: str = "5.3", seed: int | None = None) -> None:
-    """The learner's scheduler (``EngineArgs.scheduler_cls``) on workloads drawn now (``seed``:
-    the same draws again), graded by what the engine shows."""
+    """The learner's scheduler on workloads drawn now (``seed``: the same draws again)."""
     ex = Exercise(exercise, PRIORITY_CONVENTION, PRIORITY_ANSWER, required=("schedule",),
                   allowed="make_scheduler_output, record_admission, _preempt, _try_admit and the "
                           "KV cache manager")
     scheduler_cls = ex.take(scheduler_cls, "scheduler")
-    rng = _rng(seed)
+    rng = random.Random(seed)  # None: a draw from the system's randomness
     preemptions = [_grade_priority(ex, scheduler_cls, draw_priority_workload(rng))
-                   for _ in range(PRIORITY_DRAWS)]
+                   for _ in range(PRIORITY_DRAWS)]  # every draw graded before counting
     if not all(preemptions):
         ex.fail("the workload's KV cache cannot hold every request at once, but your scheduler "
                 "never preempted one (preempted requests must be reported to "
@@ -120,16 +112,17 @@ def check_priority_scheduler(scheduler_cls, exercise: str = "5.3", seed: int | N
 
 
 def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
-    """Drive ``workload`` with the learner's scheduler, checking each step's trace entry against
-    the ranks; the number of preemptions."""
+    """Drive ``workload``, checking each step's trace against the ranks; how many preemptions."""
     from minivllm.testing import kv_cache_violations
 
     rank = {r.request_id: (r.priority, r.arrival_time) for _, r in workload}
-    show = lambda rid: f"{rid} (priority {rank[rid][0]})"  # noqa: E731
     engine = dict(num_kv_blocks=12, max_model_len=96)
     want = _drive(ex, _core(**engine), workload, 400)
     core = _core(scheduler_cls=scheduler_cls, **engine)
     running, done, seen = set(), set(), {"steps": 0, "preempted": 0}
+
+    def show(rid: str) -> str:
+        return f"{rid} (priority {rank[rid][0]})"
 
     def on_step(step, outputs, arrived):
         problems = kv_cache_violations(core.scheduler)
@@ -149,19 +142,18 @@ def _grade_priority(ex: Exercise, scheduler_cls, workload: list) -> int:
             # a step's victims are a set (no order): each is checked against the requests that
             # kept their blocks through the step
             running.difference_update(entry["preempted"])
+            seen["preempted"] += len(entry["preempted"])
             for v in entry["preempted"]:
-                seen["preempted"] += 1
                 lower = [r for r in running if rank[r] > rank[v]]
                 if lower:
                     ex.fail(f"at step {step} you preempted {show(v)} while {show(lower[0])}, "
                             "which it outranks, kept its KV blocks: preempt the lowest-ranked "
                             "running request.")
-        for out in outputs:
-            if out.finished:
-                running.discard(out.request_id)
-                done.add(out.request_id)
+        finished = {out.request_id for out in outputs if out.finished}
+        running.difference_update(finished)
+        done.update(finished)
 
-    _same_tokens(ex, _drive(ex, core, workload, 400, on_step), want, "with your scheduler")
+    _drive(ex, core, workload, 400, on_step, want, "with your scheduler")
     return seen["preempted"]
 
 
@@ -177,8 +169,7 @@ MODEL_DELAY_S = 0.05  # the instrumented runner's extra time per step: a window 
 
 
 def _instrumented_classes():
-    """A model runner ``MODEL_DELAY_S`` slower per step and a scheduler, both logging when each
-    call starts and ends (on one clock)."""
+    """A model runner ``MODEL_DELAY_S`` slower per step and a scheduler, both logging calls."""
     from minivllm.core.scheduler import Scheduler
     from minivllm.worker.model_runner import ModelRunner
 
@@ -204,12 +195,11 @@ def _instrumented_classes():
 
 
 def check_overlap_core(core_cls, exercise: str = "7.3", seed: int | None = None) -> None:
-    """The learner's ``EngineCore`` subclass on a workload drawn now, with a model runner that
-    logs its steps' times; graded on tokens, KV blocks and overlap."""
+    """The learner's ``EngineCore`` on a workload drawn now: tokens, KV blocks and overlap."""
     ex = Exercise(exercise, OVERLAP_CONVENTION, OVERLAP_ANSWER, required=("step",),
                   allowed="the scheduler's and the executor's methods, and threads")
     core_cls = ex.take(core_cls, "engine core")
-    rng = _rng(seed)
+    rng = random.Random(seed)  # None: a draw from the system's randomness
     workload = [(rng.randrange(0, 9) if i else 0,
                  _request(f"r{i}", rng, float(i), rng.randrange(24, 65), rng.randrange(4, 9)))
                 for i in range(6)]
@@ -217,7 +207,7 @@ def check_overlap_core(core_cls, exercise: str = "7.3", seed: int | None = None)
     want = _drive(ex, _core(**engine), workload, 300)
     runner_cls, scheduler_cls, log = _instrumented_classes()
     core = _core(core_cls, model_runner_cls=runner_cls, scheduler_cls=scheduler_cls, **engine)
-    _same_tokens(ex, _drive(ex, core, workload, 300), want, "with your engine core")
+    _drive(ex, core, workload, 300, want=want, where="with your engine core")
     windows, calls = log["model"], log["schedule"]
     overlapped = sum(any(s < b and a < e for s, e in calls) for a, b in windows[:-1])
     if 3 * overlapped < len(windows) - 1:

@@ -4,7 +4,6 @@ engine's ``SlowIncrementalDetokenizer`` run in an ``OutputProcessor`` on the sam
 
 from __future__ import annotations
 
-import functools
 import random
 
 from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine
@@ -17,7 +16,6 @@ from minivllm.sampling_params import SamplingParams
 DETOKENIZER_ANSWER = tuple(f"minivllm.engine.detokenizer:{name}" for name in (
     "IncrementalDetokenizer", "SlowIncrementalDetokenizer", "FastIncrementalDetokenizer",
     "find_stop_string", "_tail", "default_detokenizer_cls"))
-
 CONVENTION = ("Expected: update(new_token_ids) appends the tokens, decodes the window "
               "tokens[prefix_offset:] and tokens[prefix_offset:read_offset] (starting from the "
               "prompt's last 5 tokens), emits the difference unless the window decodes to "
@@ -28,7 +26,6 @@ CONVENTION = ("Expected: update(new_token_ids) appends the tokens, decodes the w
               "returned. get_next_output_text(finished, delta) returns the text so far (delta: "
               "only what was not returned before) without its last max(len(stop)) - 1 "
               "characters while not finished (none held back with include_stop_str_in_output).")
-
 TEXTS = [
     "Café crème, naïve façade: déjà vu! 日本語のテキストと絵文字 🤖🚀✨ mixed with ASCII.",
     "def area(r):\n    return 3.14159 * r ** 2  # π r²\n\nprint(area(2))",
@@ -49,35 +46,23 @@ TARGETED = [  # (name, text, params): each after a one-token prompt, one token p
 FIELDS = ("text", "finish_reason", "stop_reason", "finished", "requests to abort")
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer():
-    from minivllm.engine.processor import load_tokenizer
-    from minivllm.model_hub import bundled_model_path
-
-    return load_tokenizer(bundled_model_path())
-
-
-def _random_ids(tokenizer, rng: random.Random, kind: int) -> list[int]:
-    """A slice of a text (kind 0), random ids (1), or a text with random ids spliced in (2)."""
-    if kind == 0:
-        ids = tokenizer.encode(rng.choice(TEXTS))
-        start = rng.randrange(0, max(1, len(ids) // 3))
-        return ids[start:start + rng.randint(8, 40)]
-    if kind == 1:
-        return [rng.randrange(len(tokenizer)) for _ in range(rng.randint(8, 30))]
-    ids = tokenizer.encode(rng.choice(TEXTS))[: rng.randint(8, 30)]
-    for _ in range(3):
-        ids.insert(rng.randrange(len(ids)), rng.randrange(len(tokenizer)))
-    return ids
-
-
 def _cases(tokenizer, seed: int):
-    """(name, prompt ids, output ids, params, tokens per step): the targeted, then random ones."""
+    """(name, prompt ids, output ids, params, tokens per step): the targeted cases, then random
+    ones, in turn a slice of a text, random ids, and a text with random ids spliced in."""
     cases = [(name, [1], tokenizer.encode(text), SamplingParams(**params), 1)
              for name, text, params in TARGETED]
     rng = random.Random(seed)
     for i in range(48):
-        ids = _random_ids(tokenizer, rng, i % 3)
+        if i % 3 == 0:
+            ids = tokenizer.encode(rng.choice(TEXTS))
+            start = rng.randrange(0, max(1, len(ids) // 3))
+            ids = ids[start:start + rng.randint(8, 40)]
+        elif i % 3 == 1:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(8, 30))]
+        else:
+            ids = tokenizer.encode(rng.choice(TEXTS))[: rng.randint(8, 30)]
+            for _ in range(3):
+                ids.insert(rng.randrange(len(ids)), rng.randrange(len(tokenizer)))
         decoded, stops = tokenizer.decode(ids), []
         if rng.random() < 0.7 and len(decoded) > 6:  # a stop string that occurs (often mid-token)
             a = rng.randrange(len(decoded) // 3, len(decoded) - 2)
@@ -122,7 +107,8 @@ def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> 
         ex.fail(f"expected a class (detokenizer_cls(tokenizer, prompt_token_ids, params)), "
                 f"got {detokenizer_cls!r}.")
     detokenizer_cls = ex.take(detokenizer_cls, "detokenizer")
-    tokenizer = _tokenizer()
+    llm = check_engine()
+    tokenizer = llm.get_tokenizer()  # the bundled model's
     cases = _cases(tokenizer, seed)
     for case in cases:
         name, _, ids, params, step = case
@@ -146,7 +132,7 @@ def check_detokenizer(detokenizer_cls, exercise: str = "7.2", seed: int = 0) -> 
         if len(want) != len(got):
             ex.fail(f"{where}: the reference gave {len(want)} outputs, yours {len(got)} (the "
                     "request finished at a different step?).")
-    _check_in_engine(ex, check_engine(), detokenizer_cls)
+    _check_in_engine(ex, llm, detokenizer_cls)
     ex.passed(f"{detokenizer_cls.__name__} gave the engine's outputs on {len(cases)} streams "
               f"(characters split across tokens, stop strings spanning tokens, held-back "
               f"text, every output kind), and the engine generating with it returns the "

@@ -1,6 +1,4 @@
-"""Exercise 7.1: the engine core's busy loop, run on a thread over a fake core that logs every
-call (blocking when idle, draining messages between steps, utility calls, errors, SHUTDOWN),
-then over the real engine core: the same greedy tokens as ``LLM``."""
+"""Exercise 7.1: the engine core's busy loop, over a call-logging fake core, then the real one."""
 
 from __future__ import annotations
 
@@ -47,12 +45,10 @@ def _request(request_id: str, num_tokens: int):
 
 
 class FakeCore:
-    """Logs every call and every output handed out (``put``, the loop's ``output_put``) in one
-    timeline; each step gives every running request its next token."""
+    """Logs every call and output (``put``); each step gives every running request a token."""
 
     def __init__(self, fail_at_step: int | None = None) -> None:
-        self.log: list[tuple] = []
-        self.items: list[EngineCoreOutputs] = []
+        self.log, self.items = [], []  # the timeline, the outputs handed out
         self.running: dict[str, list[int]] = {}  # id -> [tokens so far, tokens wanted]
         self.during_step: dict[int, callable] = {}  # step number -> called inside that step
         self.fail_at_step = fail_at_step
@@ -79,8 +75,7 @@ class FakeCore:
             self.running.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        if not self.running:
-            self.idle_polls += 1
+        self.idle_polls += not self.running
         return bool(self.running)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -95,14 +90,11 @@ class FakeCore:
         if self.num_steps in self.during_step:
             self.during_step.pop(self.num_steps)()
         time.sleep(0.002)
-        outputs = []
-        for rid, state in list(self.running.items()):
+        for state in self.running.values():
             state[0] += 1
-            done = state[0] >= state[1]
-            outputs.append(EngineCoreOutput(rid, [state[0]],
-                                            finish_reason="length" if done else None))
-            if done:
-                del self.running[rid]
+        outputs = [EngineCoreOutput(rid, [n], finish_reason="length" if n >= wanted else None)
+                   for rid, (n, wanted) in self.running.items()]
+        self.running = {rid: s for rid, s in self.running.items() if s[0] < s[1]}
         return outputs
 
     def get_stats(self) -> dict:
@@ -138,7 +130,6 @@ class _Loop:
             self.proc.input_queue.put(message)
 
     def wait(self, predicate, timeout: float = 5.0) -> bool:
-        """Until ``predicate()``, the loop's thread ends (it raised) or the timeout."""
         end = time.time() + timeout
         while time.time() < end and self.thread.is_alive() and not predicate():
             time.sleep(0.005)
@@ -251,9 +242,7 @@ def _check_real_core(ex: Exercise, proc_cls) -> int:
     llm = check_engine()
     expected = greedy_token_ids(llm, ENGINE_PROMPTS, max_tokens=8)
     engine = llm.llm_engine
-    got: dict[str, list[int]] = {}
-    finished: set[str] = set()
-    done = threading.Event()
+    got, finished, done = {}, set(), threading.Event()
 
     def put(outputs: EngineCoreOutputs) -> None:
         for out in outputs.outputs or []:

@@ -22,7 +22,6 @@ CONVENTION = (
 def _model():
     from minivllm.model.config import ModelConfig
     from minivllm.model.loader import load_model
-
     path = check_model_path()
     return load_model(path, ModelConfig.from_pretrained(path), torch.device("cpu"), torch.float32,
                       show_progress=False)
@@ -36,7 +35,6 @@ def _recording(model):
     def record(input_ids, positions, *args, **kwargs):
         calls.append((torch.as_tensor(input_ids).tolist(), torch.as_tensor(positions).tolist()))
         return forward(input_ids, positions, *args, **kwargs)
-
     model.forward = record
     try:
         yield calls
@@ -80,13 +78,11 @@ def _forward_problem(calls: list, prompt: list[int], n: int, got: list[int]) -> 
 def check_cached_generation(generate_with_cache, exercise: str = "2.2", seed: int = 0) -> None:
     """``generate_with_cache(model, prompt_ids, n, block_size) -> list of n token ids``."""
     from minivllm.model.standalone import greedy_generate
-
     ex = Exercise(exercise, CONVENTION, ["minivllm.model.standalone:greedy_generate"],
                   allowed="single_sequence_metadata, get_attention_backend, model(...) and "
                           "model.compute_logits")
     generate_with_cache = ex.take(generate_with_cache, "generate_with_cache")
-    model = _model()
-    rng = np.random.default_rng(seed)
+    model, rng = _model(), np.random.default_rng(seed)
     cases = [(1, 3, 16), (16, 4, 16), (17, 5, 4)] + [  # (prompt length, n, block size)
         (int(rng.integers(1, 40)), int(rng.integers(1, 10)), int(rng.choice([1, 3, 8, 16])))
         for _ in range(3)]
@@ -105,13 +101,13 @@ def check_cached_generation(generate_with_cache, exercise: str = "2.2", seed: in
         except (TypeError, ValueError):
             ex.fail(f"{what} returned {type(got).__name__}; expected a list of {n} token ids.")
         problem = _forward_problem(calls, prompt, n, got)
+        if problem is None and got != expected:
+            problem = (f"the forwards fed the right tokens at the right positions, but the new "
+                       f"tokens differ from the package's greedy generation at token "
+                       f"{first_difference(got, expected)}: expected {expected}, got {got}. Take "
+                       "the argmax of the logits of the forward's last position.")
         if problem:
             ex.fail(f"{what}: {problem}")
-        if got != expected:
-            ex.fail(f"{what}: the forwards fed the right tokens at the right positions, but the "
-                    f"new tokens differ from the package's greedy generation at token "
-                    f"{first_difference(got, expected)}: expected {expected}, got {got}. Take "
-                    "the argmax of the logits of the forward's last position.")
         forwards += len(calls)
     lengths, blocks = [c[0] for c in cases], [c[2] for c in cases]
     ex.passed(f"generate_with_cache gives the package's greedy tokens on {len(cases)} "

@@ -1,10 +1,10 @@
-"""Graders for chapter 10 (the CPU's share of a step): the persistent batch (10.1), against a
-rebuild after every step of the real schedulers over random traces; the graph runner's
-copy-pad-replay (10.2); CUDA-graph capture sizes (10.3)."""
+"""Chapter 10's graders: the persistent batch (10.1), the graph runner's copy-pad-replay (10.2),
+CUDA-graph capture sizes (10.3)."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,17 +50,6 @@ def _trace_ops(rng: np.random.Generator, length: int) -> list[tuple]:
     return ops + [("step", 400)]
 
 
-def _rebuilt(scheduler, out) -> dict[str, dict]:
-    """What each scheduled request's row must hold, from the scheduler's state."""
-    rows = {}
-    for rid, n in out.num_scheduled_tokens.items():
-        request = scheduler.requests[rid]
-        rows[rid] = {"num_computed_tokens": request.num_computed_tokens - n,
-                     "block_ids": list(scheduler.kv_cache_manager.get_block_ids(rid)),
-                     "token_ids": list(request.all_token_ids)}
-    return rows
-
-
 def _rows_of(ex: Exercise, batch, n: int, where: str) -> dict[str, dict]:
     """The learner's batch, row by row: {req_id: what its row holds}."""
     req_ids = list(batch.req_ids)
@@ -80,7 +69,7 @@ def _rows_of(ex: Exercise, batch, n: int, where: str) -> dict[str, dict]:
 def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                            num_traces: int = 24) -> None:
     """``batch_cls(max_num_reqs, max_model_len, max_blocks_per_req)`` with ``apply(so)`` and
-    ``append_sampled(req_id, token)``, against a rebuild after every step of random traces."""
+    ``append_sampled(req_id, token)``, against the scheduler's state after every step."""
     from minivllm.config import SchedulerConfig
     from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.request import Request
@@ -122,7 +111,11 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                 finished += len(out.finished_req_ids)
                 unscheduled += len(set(batch.row_of) - set(out.num_scheduled_tokens)
                                    - out.finished_req_ids - out.preempted_req_ids)
-                expected = _rebuilt(scheduler, out)
+                reqs = scheduler.requests  # what each scheduled request's row must hold
+                expected = {rid: {"num_computed_tokens": reqs[rid].num_computed_tokens - n,
+                                  "block_ids": list(kv.get_block_ids(rid)),
+                                  "token_ids": list(reqs[rid].all_token_ids)}
+                            for rid, n in out.num_scheduled_tokens.items()}
                 batch.apply(out)
                 where = f"trace {trace}, step {steps}"
                 got = _rows_of(ex, batch, len(expected), where)
@@ -135,13 +128,11 @@ def check_persistent_batch(batch_cls, exercise: str = "10.1", seed: int = 0,
                             ex.fail(f"{where}: request {rid!r}'s {key} is {got[rid][key]}, "
                                     f"expected {want[key]}.")
                 # the model "samples" for the rows that reach the end of their known tokens
-                sampled = []
-                for rid in out.num_scheduled_tokens:
-                    request = scheduler.requests[rid]
-                    done = request.num_computed_tokens == request.num_tokens
-                    sampled.append([int(rng.integers(100, 200))] if done else [])
-                    if done:
-                        batch.append_sampled(rid, sampled[-1][0])
+                sampled = [[int(rng.integers(100, 200))] if r.num_computed_tokens == r.num_tokens
+                           else [] for r in map(scheduler.requests.get, out.num_scheduled_tokens)]
+                for rid, tokens in zip(out.num_scheduled_tokens, sampled):
+                    if tokens:
+                        batch.append_sampled(rid, tokens[0])
                 scheduler.update_from_output(
                     out, ModelRunnerOutput(list(out.num_scheduled_tokens), sampled))
         batch.apply(scheduler.schedule())  # everyone finished: the last finished ids reach it
@@ -216,8 +207,7 @@ def check_capture_sizes(choose_capture_sizes, exercise: str = "10.3", seed: int 
 
 def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) -> None:
     """``graph_runner_cls(replay, sizes, buffers)`` with ``run(input_ids, positions, meta)``:
-    first against a recording replay (what lands in the static buffers), then inside the engine
-    on a tiny Llama (Triton attention in the interpreter), padded against unpadded."""
+    against a recording replay, then padded in the engine on a tiny Llama against unpadded."""
     ex = Exercise(exercise, GRAPH_CONVENTION, RUNNER_ANSWER,
                   "self.replay, self.sizes and self.buffers")
     graph_runner_cls = ex.take(graph_runner_cls, "graph runner")
@@ -231,7 +221,7 @@ def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) 
 
         def replay(size):  # records the buffers; "outputs" one row per row it was fed
             calls.append((size, {k: v.clone() for k, v in buffers.items()}))
-            return (buffers["input_ids"][:size, None] + 0.5 * buffers["positions"][:size, None])
+            return buffers["input_ids"][:size, None] + 0.5 * buffers["positions"][:size, None]
 
         runner = graph_runner_cls(replay, list(sizes), buffers)
         ids = torch.as_tensor(rng.integers(1, 50, n), dtype=torch.int32)
@@ -248,24 +238,21 @@ def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) 
             ex.fail(f"{what}: replay was called {len(calls)} times, expected once.")
         if calls[0][0] != size:
             ex.fail(f"{what}: replayed size {calls[0][0]}, expected {size}.")
-        seen = calls[0][1]
-        pad = size - n
-        for name, have, expect, note in (
-                ("input_ids", seen["input_ids"][:size], [*ids.tolist(), *[0] * pad], ""),
-                ("positions", seen["positions"][:size], [*pos.tolist(), *[0] * pad], ""),
-                ("slot_mapping", seen["slot_mapping"][:size],
-                 [*meta.slot_mapping.tolist(), *[-1] * pad], ""),
-                ("seq_lens", seen["seq_lens"][:size], [*meta.seq_lens.tolist(), *[1] * pad], ""),
+        seen, pad = calls[0][1], size - n
+        rows = [(name, seen[name][:size], [*step.tolist(), *[filler] * pad], "")
+                for name, step, filler in (("input_ids", ids, 0), ("positions", pos, 0),
+                                           ("slot_mapping", meta.slot_mapping, -1),
+                                           ("seq_lens", meta.seq_lens, 1))]
+        for name, have, expect, note in rows + [
                 ("block_tables", seen["block_tables"][:n], meta.block_tables.tolist(),
                  f" (the step's block tables in rows 0..{n - 1})"),
                 ("query_start_loc", seen["query_start_loc"][: size + 1], list(range(size + 1)),
-                 ": every row, real or padding, is one token")):
+                 ": every row, real or padding, is one token")]:
             if have.tolist() != expect:
                 ex.fail(f"{what}: the static {name} buffer held {have.tolist()} at replay, "
                         f"expected {expect}{note}.")
         expect_out = ids[:, None] + 0.5 * pos[:, None]
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, 1) or not torch.equal(
-                out, expect_out):
+        if not (isinstance(out, torch.Tensor) and torch.equal(out, expect_out)):
             ex.fail(f"{what}: run returned {getattr(out, 'shape', type(out).__name__)}, expected "
                     f"the first {n} rows of what replay returned.")
     steps = _graph_runner_in_engine(ex, graph_runner_cls)
@@ -275,8 +262,8 @@ def check_graph_runner(graph_runner_cls, exercise: str = "10.2", seed: int = 0) 
 
 
 def _graph_runner_in_engine(ex: Exercise, graph_runner_cls) -> int:
-    """The tiny Llama on Triton attention, its decode steps padded through the learner's runner,
-    against the package's unpadded eager run (torch attention): the number of padded steps."""
+    """The tiny Llama's decode steps padded through the learner's runner against the unpadded
+    eager run: the number of padded steps."""
     from minivllm import LLM
     from minivllm.course.checks.kernels import ENGINE, _compare_in_engine, _greedy, tiny_engine
     from minivllm.course.views import engine_core
@@ -299,19 +286,13 @@ def _graph_runner_in_engine(ex: Exercise, graph_runner_cls) -> int:
 
     learner, padded_steps = graph_runner_cls(replay, list(graphs.sizes), scratch), []
 
-    class Adapter:
-        sizes = graphs.sizes
+    def run(input_ids, positions, meta):  # fresh tensors: the learner must copy
+        meta = dataclasses.replace(meta, **{k: getattr(meta, k).clone() for k in (
+            "query_start_loc", "seq_lens", "block_tables", "slot_mapping")})
+        padded_steps.append(meta.num_seqs)
+        return learner.run(input_ids.clone(), positions.clone(), meta)
 
-        def can_run(self, meta):
-            return graphs.can_run(meta)
-
-        def run(self, input_ids, positions, meta):  # fresh tensors: the learner must copy
-            meta = dataclasses.replace(meta, **{k: getattr(meta, k).clone() for k in (
-                "query_start_loc", "seq_lens", "block_tables", "slot_mapping")})
-            padded_steps.append(meta.num_seqs)
-            return learner.run(input_ids.clone(), positions.clone(), meta)
-
-    runner.cuda_graphs = Adapter()
+    runner.cuda_graphs = SimpleNamespace(sizes=graphs.sizes, can_run=graphs.can_run, run=run)
     got = _greedy(llm)
     if not padded_steps:
         ex.fail("no decode step went through your runner (the check itself is broken)")

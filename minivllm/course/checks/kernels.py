@@ -1,6 +1,5 @@
-"""Graders for chapter 09 (Triton kernels): three warm-up puzzles, then pieces of the real kernels,
-each run through the notebook's launcher on awkward cases drawn at grading time (a failure names
-the seed), then inside the engine on a tiny Llama, whose greedy tokens must be the reference's."""
+"""Graders for chapter 09 (Triton kernels): warm-up puzzles, then pieces of the real kernels, on
+cases drawn at grading time (a failure names the seed), then inside a tiny Llama's engine."""
 
 from __future__ import annotations
 
@@ -42,16 +41,14 @@ def package_answer() -> tuple[str, ...]:
             module = importlib.import_module(name)
         except ImportError:  # no triton: no kernels to refuse
             continue
-        for value in vars(module).values():
-            fn = _triton_fn(value) or value
-            if isinstance(fn, types.FunctionType) and fn.__module__ in modules:
-                names.append(f"{fn.__module__}:{fn.__qualname__}")
+        fns = [_triton_fn(value) or value for value in vars(module).values()]
+        names += [f"{fn.__module__}:{fn.__qualname__}" for fn in fns
+                  if isinstance(fn, types.FunctionType) and fn.__module__ in modules]
     return tuple(dict.fromkeys(names))
 
 
 def _unwrapped(fn):
-    """``fn`` raising an unsolved kernel's NotImplementedError, or the grader's CheckFailed, as
-    itself rather than wrapped in Triton's InterpreterError (twice for a jit function's)."""
+    """``fn``, raising NotImplementedError or CheckFailed out of Triton's InterpreterError."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
@@ -77,7 +74,6 @@ def counting_runs(piece, launched: bool):
         return
     count, attr = [0], "run" if launched else "rewrite"
     real = functools.partial(type(piece).run, piece) if launched else type(piece).rewrite(piece)
-
     def counted(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
@@ -88,9 +84,10 @@ def counting_runs(piece, launched: bool):
         piece.__dict__.pop(attr, None)
 
 
-def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, run) -> int:
-    """Refuse the package's answer in the learner's launcher and piece, then return
-    ``run(ex, watched launcher, generator)`` (the number of cases), counting the piece's runs."""
+def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, run,
+           message: str) -> None:
+    """``run(ex, watched launcher, generator)`` gives the number of cases n, the piece must have
+    run, then ``message`` (with n) is printed; a failure names the seed."""
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     ex = Exercise(number, convention, native_answer(package_answer(), *ATTENTION_OPS),
                   "torch and Triton (triton, triton.language)")
@@ -109,12 +106,12 @@ def _grade(number: str, convention: str, seed, launcher, piece, launched: bool, 
     except CheckFailed as e:
         raise type(e)(f"{e} [cases drawn with seed={seed}: pass seed={seed} to the checker to "
                       "repeat them]") from None
-    return cases
+    passed(number, message.format(n=cases))
 
 
 def _rows(rows, then=None):
-    """A ``run`` for ``_grade``: through the launcher, each row (what, args, expected, tol,
-    mistakes) of ``rows(generator)`` must give ``expected``; then ``then(launcher)``."""
+    """A ``run``: each row (what, args, expected, tol, mistakes) of ``rows(generator)`` through
+    the launcher must give ``expected``; then ``then(launcher)``."""
     def run(ex: Exercise, fn, g) -> int:
         n = 0
         for n, (what, args, expected, tol, mistakes) in enumerate(rows(g), 1):
@@ -135,10 +132,8 @@ def _drawn(g, count: int, *ranges) -> list[tuple[int, ...]]:
 
 @functools.lru_cache(maxsize=1)
 def tiny_engine():
-    """A tiny random-weight Llama (4 query heads over 2 KV heads, head_dim 16), small blocks and
-    token budget: chunked prefills, decodes beside them."""
+    """A tiny random-weight Llama, small blocks and budget: chunked prefills beside decodes."""
     from minivllm import LLM
-
     return LLM(write_tiny_checkpoint("tiny-llama", seed=0), **ENGINE)
 
 
@@ -170,8 +165,8 @@ def _compare_in_engine(failed, what: str, got: list[list[int]]) -> None:
 
 
 def _in_engine(exercise: str, what: str, decode=None, norm=None) -> None:
-    """The tiny Llama with its decodes through ``decode(q, kv_cache, block_tables, seq_lens,
-    scale)``, or its RMSNorms through ``norm``: its greedy tokens must be the reference's."""
+    """The tiny Llama decoding through ``decode(q, kv_cache, block_tables, seq_lens, scale)`` or
+    normalising through ``norm`` must give the reference tokens."""
     def batched(q, kv_cache, meta, scale):
         got = decode(q, kv_cache, meta.block_tables[:len(q)].contiguous(),
                      meta.seq_lens[:len(q)].contiguous(), scale)
@@ -180,12 +175,10 @@ def _in_engine(exercise: str, what: str, decode=None, norm=None) -> None:
                            f"{getattr(got, 'shape', type(got).__name__)}, expected a tensor of "
                            f"shape {tuple(q.shape)}")
         return got
-
     llm = tiny_engine()
-    _reference_tokens()
-    model = model_runner(llm).model
-    swapped = op_swapped(model, "rms_norm", lambda m: norm) if norm else nullcontext()
-    with decodes_through(llm, decode and batched), swapped:
+    _reference_tokens()  # before anything is swapped
+    swapped = op_swapped(model_runner(llm).model, "rms_norm", lambda m: norm) if norm else None
+    with decodes_through(llm, decode and batched), swapped or nullcontext():
         got = _greedy(llm)
     _compare_in_engine(functools.partial(fail, exercise), what, got)
 
@@ -214,9 +207,8 @@ def check_bias_add(add_bias, kernel=None, exercise: str = "9.1", seed: int | Non
             yield f"add_bias(x of shape {shape})", (x, bias), x + bias, 1e-6, [
                 (lambda y: shape[0] == shape[1] > 1 and close(y, x + bias[:, None], 1e-8, 1e-5),
                  "bias is indexed by the column, not the row.")]
-
-    n = _grade(exercise, BIAS_CONVENTION, seed, add_bias, kernel, True, _rows(rows))
-    passed(exercise, f"your kernel adds the bias on {n} random shapes, edges masked.")
+    _grade(exercise, BIAS_CONVENTION, seed, add_bias, kernel, True, _rows(rows),
+           "your kernel adds the bias on {n} random shapes, edges masked.")
 
 
 def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | None = None) -> None:
@@ -229,10 +221,9 @@ def check_row_sums(row_sums, kernel=None, exercise: str = "9.2", seed: int | Non
                  "only the first tile was summed: loop over the whole row."),
                 (lambda y: shape[1] > 16 and close(y, x[:, -last:].sum(1), 1e-4, 1e-5),
                  "each tile replaced the sum instead of adding to it.")]
-
-    n = _grade(exercise, ROW_SUM_CONVENTION, seed, row_sums, kernel, True, _rows(rows))
-    passed(exercise, f"your tiled reduction sums {n} random matrices, rows of 1 to 129 columns in "
-                     "tiles of 16.")
+    _grade(exercise, ROW_SUM_CONVENTION, seed, row_sums, kernel, True, _rows(rows),
+           "your tiled reduction sums {n} random matrices, rows of 1 to 129 columns in tiles of "
+           "16.")
 
 
 def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | None = None) -> None:
@@ -245,10 +236,9 @@ def check_tiled_matmul(matmul, kernel=None, exercise: str = "9.3", seed: int | N
             yield f"matmul(a {m}x{k}, b {k}x{n})", (a, b), a @ b, 1e-4, [
                 (lambda y: k > 16 and close(y, a[:, -last:] @ b[-last:], 1e-3, 1e-5),
                  "only the last K tile counts: add each tile's tl.dot to the accumulator.")]
-
-    n = _grade(exercise, MATMUL_CONVENTION, seed, matmul, kernel, True, _rows(rows))
-    passed(exercise, f"your tiled matmul matches a @ b on {n} random shapes (edges masked, K "
-                     "looped in tiles).")
+    _grade(exercise, MATMUL_CONVENTION, seed, matmul, kernel, True, _rows(rows),
+           "your tiled matmul matches a @ b on {n} random shapes (edges masked, K looped in "
+           "tiles).")
 
 
 # -- Exercise 9.4: fused add + RMSNorm -----------------------------------------------------------
@@ -286,10 +276,9 @@ def check_fused_add_rms_norm(fused_add_rms_norm, kernel=None, exercise: str = "9
             return fn(x, residual, weight, eps)
         _in_engine(exercise, "fused_add_rms_norm in every norm", norm=norm)
         return len(cases)
-
-    n = _grade(exercise, ADD_NORM_CONVENTION, seed, fused_add_rms_norm, kernel, True, run)
-    passed(exercise, f"fused_add_rms_norm matches the reference on {n} random cases, and the tiny "
-                     "Llama with your kernel in every norm generates the reference tokens.")
+    _grade(exercise, ADD_NORM_CONVENTION, seed, fused_add_rms_norm, kernel, True, run,
+           "fused_add_rms_norm matches the reference on {n} random cases, and the tiny Llama with "
+           "your kernel in every norm generates the reference tokens.")
 
 
 # -- Exercise 9.5: the online-softmax update -----------------------------------------------------
@@ -362,11 +351,9 @@ def check_online_softmax(online_softmax_update, exercise: str = "9.5",
         _in_engine(exercise, "online_softmax_update (a torch decode attention folding tiles of 8 "
                              "keys)", _tiled_torch_decode(ex, fn))
         return len(cases)
-
-    n = _grade(exercise, ONLINE_CONVENTION, seed, online_softmax_update, None, False, run)
-    passed(exercise, f"online_softmax_update matches softmax over {n} random score matrices cut "
-                     "into tiles, and the tiny Llama decoding with it generates the reference "
-                     "tokens.")
+    _grade(exercise, ONLINE_CONVENTION, seed, online_softmax_update, None, False, run,
+           "online_softmax_update matches softmax over {n} random score matrices cut into tiles, "
+           "and the tiny Llama decoding with it generates the reference tokens.")
 
 
 def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
@@ -383,11 +370,9 @@ def check_online_softmax_kernel(attention, update=None, exercise: str = "9.5",
             yield (f"attention of {heads} query heads over {n} keys ({kv_heads} KV heads, d={d}, "
                    f"query spread {spread:g})", (q, k, v, d ** -0.5),
                    torch.einsum("hs,shd->hd", w, vv), 1e-4, [])
-
-    n = _grade(exercise, CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION, seed, attention, update,
-               False, _rows(rows))
-    passed(exercise, f"the kernel with your tl online-softmax update matches softmax attention on "
-                     f"{n} random cases (contexts of 1 to 70 keys in tiles of 16).")
+    _grade(exercise, CONTIGUOUS_CONVENTION + " " + ONLINE_CONVENTION, seed, attention, update,
+           False, _rows(rows), "the kernel with your tl online-softmax update matches softmax "
+           "attention on {n} random cases (contexts of 1 to 70 keys in tiles of 16).")
 
 
 # -- Exercises 9.6 and 9.7: paged decode attention, one partition or several ----------------------
@@ -419,22 +404,23 @@ def _paged_rows(g, splits):
             q, seq_lens = torch.randn(len(lens), heads, d, generator=g), torch.tensor(lens).int()
             whole = torch.clamp(-(-seq_lens // block_size) * block_size, min=1).int()
             ordered = torch.arange(width).int()[None].expand_as(tables).contiguous()
+            scale = d ** -0.5
+            args = (q, cache, tables, seq_lens, scale)
+            expected = paged_decode_attention(*args)
             label = (f"{len(lens)} sequences of {lens} tokens, {heads} query heads over {kv_heads} "
                      f"KV heads, d={d}, block_size={block_size}")
             mistakes = [
                 (lambda y: (whole != seq_lens).any() and close(y, paged_decode_attention(
-                    q, cache, tables, whole, d ** -0.5), 1e-3, 1e-3),
+                    q, cache, tables, whole, scale), 1e-3, 1e-3),
                  "you attended to every slot of the last block; only the first seq_len tokens are "
                  "the sequence's (mask t < seq_len)."),
-                (lambda y: close(y, paged_decode_attention(q, cache, ordered, seq_lens,
-                                                           d ** -0.5), 1e-3, 1e-3),
+                (lambda y: close(y, paged_decode_attention(q, cache, ordered, seq_lens, scale),
+                                 1e-3, 1e-3),
                  "you read blocks 0, 1, 2, ... in order: look each token's block up in the block "
                  "table."),
                 (lambda y: torch.isnan(y).any(),
                  "NaN: a partition that starts at or after seq_len never ran, and its m, l, acc "
                  "hold NaN; leave it out of the sums.")]
-            expected = paged_decode_attention(q, cache, tables, seq_lens, d ** -0.5)
-            args = (q, cache, tables, seq_lens, d ** -0.5)
             for split in splits:
                 if split is None:
                     yield f"paged decode attention, {label}", args, expected, 1e-4, mistakes[:2]
@@ -447,23 +433,22 @@ def check_paged_decode(paged_decode, load_kv_tile=None, exercise: str = "9.6",
                        seed: int | None = None) -> None:
     """``paged_decode(q, kv_cache, block_tables, seq_lens, scale) -> [seqs, heads, d]``: the
     notebook's kernel, reading each tile through the learner's ``load_kv_tile``."""
-    n = _grade(exercise, PAGED_CONVENTION, seed, paged_decode, load_kv_tile, False, _rows(
+    _grade(exercise, PAGED_CONVENTION, seed, paged_decode, load_kv_tile, False, _rows(
         lambda g: _paged_rows(g, [None]),
-        lambda fn: _in_engine(exercise, "load_kv_tile (in the decode kernel)", fn)))
-    passed(exercise, f"the decode kernel with your load_kv_tile matches the reference on {n} "
-                     "random block tables, and the tiny Llama decoding with it generates the "
-                     "reference tokens.")
+        lambda fn: _in_engine(exercise, "load_kv_tile (in the decode kernel)", fn)),
+        "the decode kernel with your load_kv_tile matches the reference on {n} random block "
+        "tables, and the tiny Llama decoding with it generates the reference tokens.")
 
 
 def check_split_decode(flash_decode, kernel=None, exercise: str = "9.7",
                        seed: int | None = None) -> None:
     """``flash_decode(q, kv_cache, block_tables, seq_lens, scale, num_splits) -> [seqs, heads,
     d]``: the notebook's split-K kernel, combined by the learner's reduction ``kernel``."""
-    n = _grade(exercise, SPLIT_CONVENTION, seed, flash_decode, kernel, True, _rows(
+    _grade(exercise, SPLIT_CONVENTION, seed, flash_decode, kernel, True, _rows(
         lambda g: _paged_rows(g, [1, 2, 7]),
         lambda fn: _in_engine(exercise, "split-K reduction (2 partitions per sequence)",
-                              lambda *args: fn(*args, 2))))
-    passed(exercise, f"flash-decoding with your reduction matches the reference on {n} random "
-                     "cases (1, 2 and 7 partitions, some never reached by short sequences), and "
-                     "the tiny Llama decoding with it generates the reference tokens.")
+                              lambda *args: fn(*args, 2))),
+        "flash-decoding with your reduction matches the reference on {n} random cases (1, 2 and 7 "
+        "partitions, some never reached by short sequences), and the tiny Llama decoding with it "
+        "generates the reference tokens.")
 

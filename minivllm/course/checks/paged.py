@@ -1,6 +1,5 @@
 """Graders for chapter 03 (the paged KV cache): slot mapping and attention over blocks, on random
-shuffled, padded block tables, then inside the engine on the check model (small blocks, chunked
-prefill, a shared prefix), whose greedy output must not change."""
+shuffled, padded block tables, then inside the check engine, whose greedy output must not change."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def check_slot_mapping(compute_slot_mapping, exercise: str = "3.1", seed: int = 
     """``compute_slot_mapping(block_table, positions, block_size) -> slots`` (one per position)."""
     ex = Exercise(exercise, SLOT_CONVENTION, SLOT_ANSWER, "numpy")
     compute_slot_mapping = ex.take(compute_slot_mapping, "compute_slot_mapping")
-    rng = np.random.default_rng(seed)
-    cases = 0
+    rng, cases = np.random.default_rng(seed), 0
     for block_size, num_blocks in product((1, 2, 5, 16), (1, 3, 8)):
         capacity = num_blocks * block_size
         block_table = rng.permutation(64)[:num_blocks].tolist()  # any free blocks, any order
@@ -60,8 +58,7 @@ def check_paged_attention(paged_attention, exercise: str = "3.2", seed: int = 0)
     ex = Exercise(exercise, PAGED_CONVENTION, native_answer(TORCH_ATTENTION, *ATTENTION_OPS),
                   "torch")
     paged_attention = ex.take(paged_attention, "paged_attention")
-    g = torch.Generator().manual_seed(seed)
-    cases = 0
+    g, cases = torch.Generator().manual_seed(seed), 0
     for (heads, kv_heads, d), block_size in product(
             ((4, 4, 16), (9, 3, 64), (8, 2, 32), (6, 1, 8)), (1, 4, 16)):
         for seq_len in sorted({1, block_size, block_size + 1, 37}):
@@ -108,27 +105,21 @@ def _in_engine(ex: Exercise, what: str, slot_mapping=None, attention=None) -> No
         return out
 
     with decodes_through(llm, decode if attention is not None else None) as runner:
+        prepare, table = runner.prepare_inputs, runner.input_batch.block_table
+
+        def prepare_inputs(scheduler_output):  # each request's slots recomputed by the learner's
+            input_ids, positions, meta, sample_rows, cu = prepare(scheduler_output)
+            qsl = meta.query_start_loc_cpu
+            for row in range(len(qsl) - 1):
+                a, b = int(qsl[row]), int(qsl[row + 1])
+                blocks = table.block_table_np[row, : table.num_blocks_per_row[row]].tolist()
+                slots = slot_mapping(blocks, positions[a:b].cpu().numpy(), runner.block_size)
+                meta.slot_mapping[a:b] = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+            return input_ids, positions, meta, sample_rows, cu
         try:
             if slot_mapping is not None:
-                runner.prepare_inputs = _with_slot_mapping(runner, slot_mapping)
+                runner.prepare_inputs = prepare_inputs
             got = greedy_token_ids(llm, ENGINE_PROMPTS)
         finally:
             runner.__dict__.pop("prepare_inputs", None)
     compare_generations(ex.number, f"with your {what}", llm, ENGINE_PROMPTS, got, expected)
-
-
-def _with_slot_mapping(runner, compute_slot_mapping):
-    """The runner's input preparation, each request's slots recomputed by the learner's."""
-    prepare, table = runner.prepare_inputs, runner.input_batch.block_table
-
-    def prepare_inputs(scheduler_output):
-        input_ids, positions, meta, sample_rows, cu = prepare(scheduler_output)
-        qsl = meta.query_start_loc_cpu
-        for row in range(len(qsl) - 1):
-            a, b = int(qsl[row]), int(qsl[row + 1])
-            blocks = table.block_table_np[row, : table.num_blocks_per_row[row]].tolist()
-            slots = compute_slot_mapping(blocks, positions[a:b].cpu().numpy(), runner.block_size)
-            meta.slot_mapping[a:b] = torch.as_tensor(np.asarray(slots, dtype=np.int64))
-        return input_ids, positions, meta, sample_rows, cu
-
-    return prepare_inputs

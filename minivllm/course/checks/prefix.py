@@ -4,15 +4,15 @@ hint per classic mistake, then the engine beside the reference (prefix-cache hit
 from __future__ import annotations
 
 import contextlib
+import reprlib
+from collections import namedtuple
 
 import numpy as np
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.core.request import Request
-from minivllm.course.checks.common import (
-    CheckFailed, Exercise, check_engine, check_model_path, compare_generations,
-)
+from minivllm.course.checks.common import CheckFailed, Exercise, check_engine, compare_generations
 from minivllm.testing import all_free_violations, checked_block_pool_cls, kv_cache_violations
 
 # -- 6.1 the block hash chain ---------------------------------------------------------------------
@@ -30,7 +30,7 @@ PYTHON_HASH = {"hash": (
     "versions and has only 64 bits: the API server and the engine core, or a restarted server, "
     "would name the same block differently. Encode the parent hash, the token ids and the extra "
     "keys as bytes and hash them with a fixed function (hashlib.sha256).")}
-# what a block's hash must tell apart: (argument, why)
+# what a block's hash must tell apart: argument (in hash_block_tokens' order) -> why
 SENSITIVE = {
     "parent_block_hash": "a block's hash must cover its parent's hash, so that equal blocks after "
                          "different prefixes get different names",
@@ -38,6 +38,18 @@ SENSITIVE = {
                  "bytes)",
     "extra_keys": "the extra keys (the cache salt) must count",
 }
+# a wrongly hashed block: index, tokens, parent's hash, salt, hash_block_tokens, the hash got
+_Block = namedtuple("_Block", "i tokens parent salt h got")
+CHAIN_MISTAKES = [
+    (lambda b: b.i > 0
+     and b.got in _no_extra(b.h, None, b.tokens) | {b.h(None, list(b.tokens), [b.salt])},
+     "Your block's hash ignores its parent: chain each block to block i-1's hash."),
+    (lambda b: b.i > 0 and b.salt and b.got == b.h(b.parent, list(b.tokens), [b.salt]),
+     ("You put the cache salt in every block's extra keys: it belongs to block 0 only; the chain "
+      "carries it into every later block's hash.")),
+    (lambda b: b.i == 0 and b.salt and b.got in _no_extra(b.h, None, b.tokens),
+     "The cache salt is missing from block 0's extra keys."),
+]
 
 
 def check_block_hashes(hash_block_tokens, update_block_hashes, exercise: str = "6.1",
@@ -91,12 +103,9 @@ def _check_block_hash(ex: Exercise, h, rng) -> None:
 
 
 def _show(what: str, args: tuple) -> str:
-    parent, tokens, extra = args
-    if what == "parent_block_hash":
-        return "None" if parent is None else parent.hex()[:8] + "..."
-    if what == "token_ids":
-        return str(tokens[:6])[:-1] + (", ...]" if len(tokens) > 6 else "]")
-    return str(extra)
+    """The argument ``what`` of ``args``: a hash by its first 8 hex digits, a list by 6 items."""
+    value = args[list(SENSITIVE).index(what)]
+    return value.hex()[:8] + "..." if isinstance(value, bytes) else reprlib.repr(value)
 
 
 def _no_extra(h, parent, tokens) -> set:
@@ -123,16 +132,8 @@ def _check_one_chain(ex: Exercise, h, update, request: Request, block_size: int)
                     if salt and i == 0 else _no_extra(h, parent, block))
         if got_hash not in expected:
             ex.fail(f"{what}: block {i}'s hash is not hash_block_tokens(parent, its tokens, "
-                    "extra_keys).", ex.hint(got_hash, [
-                        (lambda g: i > 0 and g in _no_extra(h, None, block)
-                         | {h(None, list(block), [salt])},
-                         "Your block's hash ignores its parent: chain each block to block i-1's "
-                         "hash."),
-                        (lambda g: i > 0 and salt and g == h(parent, list(block), [salt]),
-                         "You put the cache salt in every block's extra keys: it belongs to "
-                         "block 0 only; the chain carries it into every later block's hash."),
-                        (lambda g: i == 0 and salt and g in _no_extra(h, None, block),
-                         "The cache salt is missing from block 0's extra keys.")]))
+                    "extra_keys).", ex.hint(_Block(i, block, parent, salt, h, got_hash),
+                                            CHAIN_MISTAKES))
         parent = got_hash
 
 
@@ -184,7 +185,6 @@ QUESTIONS = ["When do you open on Sunday?", "How long can I keep a book?",
 def _check_hasher_in_engine(ex: Exercise, update) -> None:
     """One system prompt, requests in waves, two tenants with their own salt (blocks of 8)."""
     from minivllm.course.views import engine_core
-
     llm = check_engine()
     manager = engine_core(llm).scheduler.kv_cache_manager
     tok = llm.get_tokenizer()
@@ -213,7 +213,6 @@ def run_waves(llm, waves, max_tokens: int = 3) -> dict[str, tuple[list[int], int
     """Each wave of (id, token ids, cache salt, ...) run to the end in turn: id -> (greedy output
     token ids, prompt tokens served from the prefix cache)."""
     from minivllm import SamplingParams
-
     engine, results = llm.llm_engine, {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for wave in waves:
@@ -254,8 +253,9 @@ def check_block_pool(block_pool_cls, exercise: str = "6.2", seed: int = 0) -> No
                   allowed="KVCacheBlock and FreeKVCacheBlockQueue (the blocks and the free queue)")
     cls = ex.take(block_pool_cls, "block pool")
     _pool_scenarios(ex, cls)
-    steps = _check_pool_in_sim(ex, cls, seed)
-    _check_pool_in_engine(ex, cls)
+    checked = checked_block_pool_cls(cls, lambda m: ex.fail(m + "."))
+    steps = _check_pool_in_sim(ex, checked, seed)
+    _check_pool_in_engine(ex, checked)
     ex.passed(f"your block pool keeps every rule in the scenarios and on {steps} steps of "
               "random workloads beside the reference, and the engine built with it "
               "(block_pool_cls) finds the same prefix-cache hits and generates the reference "
@@ -281,10 +281,12 @@ def _pool_scenarios(ex: Exercise, cls) -> None:
         if not ok:
             ex.fail(message)
 
+    def state() -> tuple[list[int], int]:
+        return [x.ref_cnt for x in b], pool.get_num_free_blocks()
+
     h = [bytes([i]) * 32 for i in range(8)]
     pool = cls(8, True)
     b = pool.get_new_blocks(3)
-    state = lambda: ([x.ref_cnt for x in b], pool.get_num_free_blocks())  # noqa: E731
     need(len(b) == 3 and all(isinstance(x, KVCacheBlock) for x in b) and len(set(_ids(b))) == 3,
          "get_new_blocks(3) must return 3 different KVCacheBlocks.")
     need(state() == ([1, 1, 1], 5), f"after get_new_blocks(3) from 8 free blocks, (ref counts, "
@@ -359,19 +361,18 @@ def _sim_workload(rng, num_requests: int = 20) -> dict[int, list]:
     return events
 
 
-def _check_pool_in_sim(ex: Exercise, cls, seed: int, num_workloads: int = 4) -> int:
-    """Random workloads on the simulated engine, the learner's pool beside the reference one."""
+def _check_pool_in_sim(ex: Exercise, checked, seed: int, num_workloads: int = 4) -> int:
+    """Random workloads on the simulated engine, the learner's pool (``checked``: wrapped in
+    checks) beside the reference one."""
     from minivllm.sim.engine import SimEngine
-
     rng, total = np.random.default_rng(seed), 0
     for k in range(num_workloads):
         for scheduler, budget, chunked in (("v1", 8, True), ("v1", 3, True), ("v0", 64, False)):
             events = _sim_workload(rng)
             cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=48,
                                   enable_chunked_prefill=chunked)
-            ref = SimEngine(14, 4, scheduler=scheduler, scheduler_config=cfg)
-            sim = SimEngine(14, 4, scheduler=scheduler, scheduler_config=cfg,
-                            block_pool_cls=checked_block_pool_cls(cls, lambda m: ex.fail(m + ".")))
+            ref, sim = (SimEngine(14, 4, scheduler=scheduler, scheduler_config=cfg, **kw)
+                        for kw in ({}, {"block_pool_cls": checked}))
             where = (f"random workload {k} ({scheduler} scheduler, budget {budget}, 14 blocks of 4 "
                      "tokens, shared prefixes, aborts)")
             step = 0
@@ -413,14 +414,14 @@ ENGINE_TEXTS = [
 ]
 
 
-def _check_pool_in_engine(ex: Exercise, cls) -> None:
+def _check_pool_in_engine(ex: Exercise, checked) -> None:
     """Few blocks of 4 tokens: requests share prefixes, evict each other's cache, get preempted."""
     from minivllm import LLM
+    from minivllm.course.checks.common import check_model_path
     from minivllm.course.views import engine_core
-
     llm = LLM(check_model_path(), show_progress=False, device="cpu", block_size=4,
               num_kv_blocks=14, max_model_len=48, max_num_batched_tokens=24, max_num_seqs=4,
-              block_pool_cls=checked_block_pool_cls(cls, lambda m: ex.fail(m + ".")))
+              block_pool_cls=checked)
     scheduler = engine_core(llm).scheduler
     manager = scheduler.kv_cache_manager
     ids = [llm.get_tokenizer().encode(t) for t in ENGINE_TEXTS]

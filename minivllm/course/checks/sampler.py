@@ -14,10 +14,8 @@ from minivllm.course.checks.common import (
 from minivllm.sample.sampler import SamplingMetadata, apply_top_k_top_p
 from minivllm.testing import model_runner
 
-VOCAB = 24
-SAMPLES = 6000
+VOCAB, SAMPLES = 24, 6000
 Z_1E4 = 3.719  # standard normal quantile at 1 - 1e-4: a correct sampler fails 1 run in 10,000
-
 CONVENTION = ("Expected, per row: greedy (argmax) when temperature < 1e-5; otherwise divide the "
               "logits by the temperature, keep the top_k most likely tokens (0 = all), then keep "
               "the smallest set of most likely tokens whose probability reaches top_p (computed on "
@@ -27,18 +25,16 @@ CONVENTION = ("Expected, per row: greedy (argmax) when temperature < 1e-5; other
 SAMPLER = tuple(f"minivllm.sample.sampler:{name}" for name in (
     "Sampler", "apply_top_k_top_p", "apply_top_k", "exponential_race", "sample_race", "race_keys"))
 ANSWER = SAMPLER + ("minivllm.cpu_kernels:library", "minivllm.course.checks.sampler:expected_probs")
-
-
-def race_answer(answer: tuple[str, ...]) -> tuple[str, ...]:
-    """``answer`` and, where the CPU kernels load, their C++ race (``race_sample``)."""
-    return native_answer(answer, "race_sample")
-
-
 ALLOWED = "torch (sort, cumsum, softmax, multinomial with meta.generator / meta.generators[row])"
 SETTINGS = [  # (temperature, top_k, top_p), one at a time
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.6), (0.8, 4, 0.6),
 ]
 MIXED = [(0.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 0, 0.5), (1.3, 0, 1.0)]  # interleaved in one batch
+
+
+def race_answer(answer: tuple[str, ...]) -> tuple[str, ...]:
+    """``answer`` and, where the CPU kernels load, their C++ race (``race_sample``)."""
+    return native_answer(answer, "race_sample")
 
 
 def expected_probs(logits: torch.Tensor, temperature: float, top_k: int,
@@ -75,6 +71,7 @@ def _meta(settings, seed=0, generators=None) -> SamplingMetadata:
 
 
 def _sample(ex, sampler, logits, meta, what) -> torch.Tensor:
+    """The sampler's ids for ``logits``, failing unless they are one valid token id per row."""
     out = sampler(logits.clone(), meta)
     rows, vocab = logits.shape
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows,):
@@ -87,18 +84,21 @@ def _sample(ex, sampler, logits, meta, what) -> torch.Tensor:
     return out.long()
 
 
-def _check_distribution(ex, tokens, row, temperature, top_k, top_p, what) -> None:
+def _check_rows(ex, tokens, row, temperature, top_k, top_p, what) -> None:
+    """``tokens``, drawn from ``row``'s logits: all argmax if greedy, else the expected law."""
+    if temperature == 0.0:
+        if not (tokens == row.argmax()).all():
+            ex.fail(f"{what} must all be argmax.")
+        return
     probs = expected_probs(row, temperature, top_k, top_p)
     counts = torch.bincount(tokens, minlength=VOCAB)
     n = int(counts.sum())
-    outside = ((probs == 0) & (counts > 0)).nonzero().flatten().tolist()
-    if outside:
-        t = outside[0]
+    if (outside := ((probs == 0) & (counts > 0)).nonzero()).numel():
+        t = int(outside[0])
         ex.fail(f"{what}: drew token {t} (the {int((row > row[t]).sum()) + 1}th most likely) "
                 f"{int(counts[t])} times, but it has probability 0 under these parameters.")
-    never = ((probs * n >= 30) & (counts == 0)).nonzero().flatten().tolist()
-    if never:
-        t = never[0]
+    if (never := ((probs * n >= 30) & (counts == 0)).nonzero()).numel():
+        t = int(never[0])
         ex.fail(f"{what}: never drew token {t} in {n} draws, though it has probability "
                 f"{probs[t]:.3f} under these parameters.")
     stat, crit = chi_square(counts, probs)
@@ -138,25 +138,20 @@ def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: boo
         what = f"temperature={t}, top_k={k}, top_p={p}"
         out = _sample(ex, sampler, row.repeat(SAMPLES, 1), _meta([(t, k, p)] * SAMPLES, seed + i),
                       what)
-        _check_distribution(ex, out, row, t, k, p, what)
+        _check_rows(ex, out, row, t, k, p, what)
     rows = [torch.randn(VOCAB, generator=g) * 1.5 for _ in MIXED]
-    order = torch.arange(len(MIXED)).repeat(SAMPLES // 2).tolist()
-    out = _sample(ex, sampler, torch.stack([rows[j] for j in order]),
-                  _meta([MIXED[j] for j in order], seed + 100), "a batch mixing four settings")
+    order = torch.arange(len(MIXED)).repeat(SAMPLES // 2)
+    meta = _meta([MIXED[j] for j in order.tolist()], seed + 100)
+    out = _sample(ex, sampler, torch.stack(rows)[order], meta, "a batch mixing four settings")
     for j, (t, k, p) in enumerate(MIXED):
-        mine = out[torch.tensor(order) == j]
-        what = (f"in a batch mixing four settings, the rows with temperature={t}, top_k={k}, "
-                f"top_p={p}")
-        if t == 0.0 and not (mine == rows[j].argmax()).all():
-            ex.fail(f"{what} must all be argmax.")
-        if t != 0.0:
-            _check_distribution(ex, mine, rows[j], t, k, p, what)
+        _check_rows(ex, out[order == j], rows[j], t, k, p, "in a batch mixing four settings, the "
+                    f"rows with temperature={t}, top_k={k}, top_p={p}")
     for trial in range(40):  # a seeded row draws the same token whatever else is in the batch
         row, a, b = (torch.randn(n, VOCAB, generator=g) for n in (1, 6, 9))
         a[1], b[5] = row[0], row[0]
         drawn = []
-        for x, i, seed_shift in ((a, 1, 0), (b, 5, 7)):
-            meta = _meta([(1.0, 0, 1.0)] * len(x), trial + seed_shift,
+        for x, i, shift in ((a, 1, 0), (b, 5, 7)):
+            meta = _meta([(1.0, 0, 1.0)] * len(x), trial + shift,
                          {i: torch.Generator().manual_seed(1000 + trial)})
             drawn.append(_sample(ex, sampler, x, meta, "a batch with a seeded row")[i])
         if drawn[0] != drawn[1]:
@@ -167,22 +162,19 @@ def check_sampler(sampler_cls, exercise: str = "2.1", seed: int = 0, engine: boo
     if engine:
         _check_in_engine(ex, sampler_cls)
     ex.passed(f"{sampler_cls.__name__} samples the expected distributions ({len(SETTINGS)} "
-              "settings and a mixed batch, chi-square tests), is exact when greedy, "
-              "reproducible with per-request seeds, and generates the reference text in the "
-              "engine.")
+              "settings and a mixed batch, chi-square tests), is exact when greedy, reproducible "
+              "with per-request seeds, and generates the reference text in the engine.")
 
 
 def _check_in_engine(ex, sampler_cls) -> None:
     from minivllm import SamplingParams
 
     llm = check_engine()
-    runner = model_runner(llm)
-    expected = reference_token_ids()
+    runner, expected = model_runner(llm), reference_token_ids()  # before the swap
     reference, runner.sampler = runner.sampler, sampler_cls()
     try:
-        got = greedy_token_ids(llm, ENGINE_PROMPTS)
-        compare_generations(ex.number, f"with {sampler_cls.__name__}", llm, ENGINE_PROMPTS, got,
-                            expected)
+        compare_generations(ex.number, f"with {sampler_cls.__name__}", llm, ENGINE_PROMPTS,
+                            greedy_token_ids(llm, ENGINE_PROMPTS), expected)
         seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234,
                                 ignore_eos=True)
         alone = llm.generate(ENGINE_PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids

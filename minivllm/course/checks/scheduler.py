@@ -1,16 +1,15 @@
 """Checkers for exercises 4.1 (v0) and 5.1 (v1): the learner's ``schedule()`` runs workloads in
-the check engine, a probe checks every step against the policy, and every greedy output must be
-the package scheduler's."""
+the check engine, every step checked against the policy, every output equal to the package's."""
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections import namedtuple
 
 from minivllm.core.request import RequestStatus
+from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
-from minivllm.core.sched_output import SchedulerOutput
 from minivllm.course.checks.common import ENGINE_PROMPTS, Exercise, check_engine
 
 MAX_STEPS = 400
@@ -39,14 +38,9 @@ PROMPTS = (*ENGINE_PROMPTS, (
     "prompt that arrives while many users are chatting is the hard case: computing it in one "
     "step makes every chat wait, so how should its tokens be shared out between steps?"))
 
-
-class Workload(NamedTuple):
-    name: str
-    overrides: tuple  # engine arguments (name, value)
-    arrivals: tuple  # (step, request id, prompt index, max_tokens)
-    ample_kv: bool = True  # every request always fits in the KV cache (no preemption needed)
-
-
+# overrides: engine arguments ((name, value), ...); arrivals: ((step, request id, prompt index,
+# max_tokens), ...); ample_kv: every request always fits in the KV cache (no preemption needed)
+Workload = namedtuple("Workload", "name overrides arrivals ample_kv", defaults=(True,))
 V0_WORKLOAD = Workload(
     "v0: chats decoding, prompts arriving, at most 3 running",
     (("scheduler", "v0"), ("max_num_batched_tokens", 1024), ("max_num_seqs", 3)),
@@ -72,14 +66,15 @@ V0_HELPERS = ("minivllm.core.scheduler:Scheduler.schedule",
               "minivllm.core.scheduler:Scheduler._try_admit",
               "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
               "minivllm.core.scheduler_v0:PhaseSeparatedScheduler")
-V1_HELPERS = V0_HELPERS + ("minivllm.core.scheduler:Scheduler._preempt",)
+V1_HELPERS = (*V0_HELPERS, "minivllm.core.scheduler:Scheduler._preempt")
+# the queues just before a schedule() call: running and waiting ids, {id: num_tokens}
+Before = namedtuple("Before", "running waiting num_tokens")
 
 
 def run_arrivals(llm, arrivals, max_steps: int = MAX_STEPS, after_step=None) -> dict:
     """Greedy requests ``(step, id, prompt token ids, max_tokens)`` added at their steps, run for
     at most ``max_steps`` steps: {id: output token ids} of those that finished."""
     from minivllm import SamplingParams
-
     engine, outputs = llm.llm_engine, {}
     for step in range(max_steps):
         for at, rid, prompt, max_tokens in arrivals:
@@ -96,16 +91,11 @@ def run_arrivals(llm, arrivals, max_steps: int = MAX_STEPS, after_step=None) -> 
     return outputs
 
 
-@functools.lru_cache(maxsize=None)
-def _prompt_ids(index: int) -> tuple[int, ...]:
-    return tuple(check_engine().get_tokenizer().encode(PROMPTS[index]))
-
-
 def run_workload(scheduler_cls: type, workload: Workload, ex: Exercise | None = None) -> dict:
     """{request id: output token ids} of ``workload`` run with ``scheduler_cls``."""
     from minivllm.course.swap import swapped_scheduler
-
-    arrivals = [(at, rid, _prompt_ids(p), n) for at, rid, p, n in workload.arrivals]
+    tok = check_engine().get_tokenizer()
+    arrivals = [(at, rid, tok.encode(PROMPTS[p]), n) for at, rid, p, n in workload.arrivals]
     with swapped_scheduler(check_engine(), scheduler_cls=scheduler_cls, **dict(workload.overrides)):
         outputs = run_arrivals(check_engine(), arrivals)
     unfinished = sorted({a[1] for a in arrivals} - set(outputs))
@@ -117,29 +107,19 @@ def run_workload(scheduler_cls: type, workload: Workload, ex: Exercise | None = 
     return outputs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_outputs(workload: Workload) -> dict:
     v0 = dict(workload.overrides)["scheduler"] == "v0"
     return run_workload(PhaseSeparatedScheduler if v0 else Scheduler, workload)
 
 
-class Before(NamedTuple):
-    """The queues just before a ``schedule()`` call."""
-
-    running: list
-    waiting: list
-    num_tokens: dict
-
-
 class _Watch:
-    """The learner's scheduler on one workload, each ``schedule()`` checked by ``check_step``."""
+    """Runs the learner's scheduler ``cls`` (as ``Exercise.take`` returned it) on ``workload``,
+    each ``schedule()`` checked by ``check_step``; then every output must be the reference's."""
 
-    def __init__(self, ex: Exercise, workload: Workload, check_step) -> None:
-        self.ex, self.workload, self.check_step = ex, workload, check_step
+    def __init__(self, ex: Exercise, cls: type, workload: Workload, check_step) -> None:
+        self.ex, self.workload = ex, workload
         self.steps = self.mixed_steps = self.preemptions = 0
-
-    def run(self, cls: type) -> None:
-        """``cls``: the learner's class as ``Exercise.take`` returned it."""
         watch = self
 
         class Probe(cls):
@@ -153,18 +133,17 @@ class _Watch:
                     watch.ex.fail(f"schedule() returned {type(out).__name__}; expected a "
                                   "SchedulerOutput (self.make_scheduler_output(entries, "
                                   "preempted)).")
-                watch.check_step(self, before, out, watch)
+                check_step(self, before, out, watch)
                 return out
 
         Probe.__name__ = Probe.__qualname__ = cls.__name__
-        got = run_workload(Probe, self.workload, self.ex)
-        tok = check_engine().get_tokenizer()
-        for rid, e in reference_outputs(self.workload).items():
+        got, tok = run_workload(Probe, workload, ex), check_engine().get_tokenizer()
+        for rid, e in reference_outputs(workload).items():
             if got.get(rid) != e:
-                self.ex.fail(f"workload '{self.workload.name}': request {rid!r} generated "
-                             f"{tok.decode(got.get(rid) or [])!r}, expected {tok.decode(e)!r}. "
-                             "Every step passed its checks: does each request compute exactly "
-                             "the tokens from num_computed_tokens on?")
+                ex.fail(f"workload '{workload.name}': request {rid!r} generated "
+                        f"{tok.decode(got.get(rid) or [])!r}, expected {tok.decode(e)!r}. Every "
+                        "step passed its checks: does each request compute exactly the tokens "
+                        "from num_computed_tokens on?")
 
     def fail(self, out, message: str) -> None:
         shown = dict(out.num_scheduled_tokens) or "nothing"
@@ -174,44 +153,36 @@ class _Watch:
                      f"{shown}. {message}")
 
 
-def _entries(sched: Scheduler, out) -> list[tuple[str, int, int, bool]]:
-    """(request id, tokens this step, tokens computed before it, is a decode) per entry, read
-    after ``schedule()`` advanced ``num_computed_tokens``."""
-    entries = []
-    for rid, n in out.num_scheduled_tokens.items():
-        request = sched.requests[rid]
-        done = request.num_computed_tokens - n
-        entries.append((rid, n, done, n == 1 and done >= request.num_prompt_tokens))
-    return entries
-
-
-def _check_common(sched: Scheduler, out, watch: _Watch) -> None:
-    """Any scheduler: the budget and max_num_seqs."""
-    total, running = out.total_num_scheduled_tokens, len(sched.running)
+def _check_common(sched: Scheduler, out, watch: _Watch) -> list[tuple[str, int, int, bool]]:
+    """Any scheduler: the budget, max_num_seqs; each scheduled request is running and gets from 1
+    to what it has left, at most the chunk cap. Returns (request id, tokens this step, tokens
+    computed before it, is a decode) per entry."""
+    total, running, cap = (out.total_num_scheduled_tokens, len(sched.running),
+                           sched.long_prefill_token_threshold)
     if total > sched.max_num_batched_tokens:
         watch.fail(out, f"That is {total} tokens, over the step's budget max_num_batched_tokens="
                         f"{sched.max_num_batched_tokens}: never give more than is left.")
     if running > sched.max_num_seqs:
         watch.fail(out, f"{running} requests are now running, over max_num_seqs="
                         f"{sched.max_num_seqs}.")
-
-
-def _check_entries(sched: Scheduler, out, watch: _Watch, entries) -> None:
-    """Each scheduled request (``entries``: ``_entries``) is running and gets between 1 and
-    what it has left."""
-    for rid, n, done, _ in entries:
-        if sched.requests[rid] not in sched.running:
+    entries = []
+    for rid, n in out.num_scheduled_tokens.items():
+        request = sched.requests[rid]
+        done = request.num_computed_tokens - n  # schedule() advanced it
+        entries.append((rid, n, done, n == 1 and done >= request.num_prompt_tokens))
+        if cap and n > cap:
+            watch.fail(out, f"Request {rid!r} got a chunk of {n} tokens, over "
+                            f"long_prefill_token_threshold={cap}.")
+        if request not in sched.running:
             watch.fail(out, f"Request {rid!r} was scheduled but is not in self.running.")
-        left = sched.requests[rid].num_tokens - done
-        if not 1 <= n <= left:
-            watch.fail(out, f"Request {rid!r} got {n} tokens with {left} left to compute (give "
-                            "1 to num_tokens - num_computed_tokens).")
+        if not 1 <= n <= request.num_tokens - done:
+            watch.fail(out, f"Request {rid!r} got {n} tokens with {request.num_tokens - done} "
+                            "left to compute (give 1 to num_tokens - num_computed_tokens).")
+    return entries
 
 
 def _check_v0_step(sched: Scheduler, before: Before, out, watch: _Watch) -> None:
-    _check_common(sched, out, watch)
-    entries = _entries(sched, out)
-    _check_entries(sched, out, watch, entries)
+    entries = _check_common(sched, out, watch)
     decodes = [rid for rid, _, _, decode in entries if decode]
     prefills = [(rid, n, done) for rid, n, done, decode in entries if not decode]
     admitted = [rid for rid, _, _ in prefills]
@@ -221,8 +192,8 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: _Watch) -> None
         watch.fail(out, f"It mixes the prefill of {admitted} with the decodes of {decodes}: in "
                         "v0 a step is all-prefill or all-decode.")
     for rid, n, done in prefills:
-        if done + n != sched.requests[rid].num_tokens:
-            left = sched.requests[rid].num_tokens - done
+        left = sched.requests[rid].num_tokens - done
+        if n != left:
             watch.fail(out, f"Request {rid!r} got {n} of its {left} prompt tokens: v0 prefills "
                             "whole prompts.")
     head = before.waiting[0] if before.waiting else None
@@ -246,26 +217,17 @@ def _check_v0_step(sched: Scheduler, before: Before, out, watch: _Watch) -> None
 def check_phase_separated_scheduler(scheduler_cls: type, exercise: str = "4.1") -> None:
     """``scheduler_cls``: a ``Scheduler`` subclass whose ``schedule()`` is the v0 policy."""
     ex, cls = _scheduler_exercise(scheduler_cls, exercise, V0_CONVENTION, V0_HELPERS)
-    watch = _Watch(ex, V0_WORKLOAD, _check_v0_step)
-    watch.run(cls)
+    watch = _Watch(ex, cls, V0_WORKLOAD, _check_v0_step)
     ex.passed(f"{scheduler_cls.__name__} kept every one of {watch.steps} steps to a single "
               "phase, gave waiting prompts priority, and the engine's outputs equal the "
               f"reference scheduler's for all {len(V0_WORKLOAD.arrivals)} requests.")
 
 
 def _check_v1_step(sched: Scheduler, before: Before, out, watch: _Watch) -> None:
-    _check_common(sched, out, watch)
-    entries = _entries(sched, out)
-    cap = sched.long_prefill_token_threshold
-    for rid, n, _, _ in entries:
-        if cap and n > cap:
-            watch.fail(out, f"Request {rid!r} got a chunk of {n} tokens, over "
-                            f"long_prefill_token_threshold={cap}.")
-    scheduled = [rid for rid, _, _, _ in entries]
-    preempted = sorted(out.preempted_req_ids)
-    if preempted:
+    scheduled, preempted = list(out.num_scheduled_tokens), sorted(out.preempted_req_ids)
+    if preempted:  # first: a preempted request's problems explain the others
         _check_preemptions(sched, before, out, watch, preempted, scheduled)
-    _check_entries(sched, out, watch, entries)
+    entries = _check_common(sched, out, watch)
     watch.mixed_steps += {decode for _, _, _, decode in entries} == {True, False}
     budget_left = sched.max_num_batched_tokens - out.total_num_scheduled_tokens
     admitted = [rid for rid in scheduled if rid not in before.running]
@@ -302,8 +264,8 @@ def _check_preemptions(sched, before: Before, out, watch: _Watch, preempted, sch
                 (rid in scheduled, "was both preempted and scheduled in this step"),
                 (request in sched.running, "was preempted but is still in self.running"),
                 (blocks, f"was preempted but still holds {blocks} KV blocks"),
-                (request.num_computed_tokens, "was preempted but its num_computed_tokens is "
-                 f"still {request.num_computed_tokens}: reset num_computed_tokens to 0"),
+                (request.num_computed_tokens, ("was preempted but its num_computed_tokens is "
+                 f"still {request.num_computed_tokens}: reset num_computed_tokens to 0")),
                 (request.status not in (RequestStatus.PREEMPTED, RequestStatus.WAITING),
                  f"was preempted but its status is {request.status.name}")):
             if broken:
@@ -323,8 +285,7 @@ def check_unified_scheduler(scheduler_cls: type, exercise: str = "5.1") -> None:
     ex, cls = _scheduler_exercise(scheduler_cls, exercise, V1_CONVENTION, V1_HELPERS)
     steps = 0
     for workload in (CHUNK_WORKLOAD, PREEMPT_WORKLOAD):
-        watch = _Watch(ex, workload, _check_v1_step)
-        watch.run(cls)
+        watch = _Watch(ex, cls, workload, _check_v1_step)
         if workload is CHUNK_WORKLOAD and not watch.mixed_steps:
             ex.fail(f"workload '{workload.name}': no step ran a prefill chunk beside a decode.")
         if not workload.ample_kv and not watch.preemptions:

@@ -1,6 +1,5 @@
-"""Chapter 08's graders: 8.1, the server-sent events of ``/v1/chat/completions``, streamed by the
-``openai`` client from a real server; 8.2, a benchmark's figures from raw client timestamps,
-compared with ``minivllm bench serve``'s on random traces."""
+"""Chapter 08's graders: 8.1, a chat completion's server-sent events, read by the ``openai``
+client from a real server; 8.2, a benchmark's figures from raw client timestamps."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ PROMPTS = [("What is the capital of France?", {}),
 
 @contextlib.contextmanager
 def app_in_thread(app, engine):
-    """Serve ``app`` (over ``engine``, an ``AsyncLLM``) with uvicorn on a free port, on a thread
-    of this process; yields the base URL; stops the server, then the engine."""
+    """Serve ``app`` on a thread and a free port; yields its URL, then stops it and ``engine``."""
     import uvicorn
 
     from minivllm.entrypoints.openai.api_server import _bind
@@ -71,8 +69,7 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
     _probe(ex, chat_stream)  # an unsolved exercise raises here, not inside the server
     args = EngineArgs(device="cpu", max_model_len=512, num_kv_blocks=256, multiprocess=False)
     engine = AsyncLLM.from_engine_args(args, show_progress=False)
-    app = build_app(engine, [BUNDLED_NAME], chat_stream=chat_stream)
-    with app_in_thread(app, engine) as url:  # a server on a thread of this process
+    with app_in_thread(build_app(engine, [BUNDLED_NAME], chat_stream=chat_stream), engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         for prompt, extra in PROMPTS:
@@ -92,16 +89,15 @@ def check_chat_stream(chat_stream, exercise: str = "8.1") -> None:
 
 
 def _probe(ex: Exercise, chat_stream) -> None:
-    """Run the function on a made-up one-token stream, outside any server: an exception
-    (NotImplementedError while the exercise is unsolved) is raised here as it is."""
+    """Run ``chat_stream`` outside any server: an unsolved exercise raises here as it is."""
     from minivllm.course.loadtest import run_coroutine
     from minivllm.outputs import CompletionOutput, RequestOutput
 
-    async def outputs():
-        yield RequestOutput("probe", None, [1, 2], [CompletionOutput(0, "Hi", [3],
-                                                                     finish_reason="length")], True)
-
     async def consume():
+        async def outputs():
+            out = CompletionOutput(0, "Hi", [3], finish_reason="length")
+            yield RequestOutput("probe", None, [1, 2], [out], True)
+
         stream = chat_stream("probe", "model", outputs(), True)
         if inspect.iscoroutine(stream):  # no yield in the body: not an async generator
             await stream  # (an unsolved exercise raises NotImplementedError here)
@@ -119,11 +115,11 @@ def _check_stream(ex: Exercise, client, kwargs, full, include_usage: bool) -> No
         chunks = list(client.chat.completions.create(stream=True, **kwargs, **options))
     except Exception as e:  # the client could not parse the stream
         ex.fail(f"the openai client failed to read your stream: {type(e).__name__}: {e}.")
-    where = f"streaming {kwargs['messages'][0]['content']!r} (include_usage={include_usage})"
 
     def expect(ok, message: str) -> None:
         if not ok:
-            ex.fail(f"{where}: {message}")
+            ex.fail(f"streaming {kwargs['messages'][0]['content']!r} (include_usage="
+                    f"{include_usage}): {message}")
 
     expect(chunks, "no chunk came back.")
     ids = {c.id for c in chunks}
@@ -133,23 +129,23 @@ def _check_stream(ex: Exercise, client, kwargs, full, include_usage: bool) -> No
     expect(chunks[0].choices and chunks[0].choices[0].delta.role == "assistant",
            f"the first chunk must announce the role: choices[0].delta = {{'role': 'assistant', "
            f"'content': ''}}; got {chunks[0].model_dump()}.")
-    with_choices = [c for c in chunks if c.choices]
-    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    choices = [c.choices[0] for c in chunks if c.choices]
+    text = "".join(c.delta.content or "" for c in choices)
     want, reason = full.choices[0].message.content, full.choices[0].finish_reason
     expect(text == want, f"the deltas add up to {text!r}; the same request without streaming "
                          f"answered {want!r}. Send each DELTA output's text once, in order.")
-    reasons = [c.choices[0].finish_reason for c in with_choices]
+    reasons = [c.finish_reason for c in choices]
     expect(reasons[-1] == reason and not any(reasons[:-1]),
            f"finish_reason per chunk {reasons}: expected None on every chunk but the last "
            f"choice chunk, which says {reason!r}.")
-    usage_chunks = [c for c in chunks if c.usage is not None]
+    with_usage = [c for c in chunks if c.usage is not None]
     if not include_usage:
-        expect(not usage_chunks, "usage was sent although the client did not ask for it "
-                                 "(stream_options.include_usage).")
+        expect(not with_usage, "usage was sent although the client did not ask for it "
+                               "(stream_options.include_usage).")
         return
-    expect(len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and not chunks[-1].choices,
+    expect(len(with_usage) == 1 and with_usage[0] is chunks[-1] and not chunks[-1].choices,
            f"with stream_options.include_usage, exactly one chunk, the last, carries usage, with "
-           f"choices []; got usage on {len(usage_chunks)} chunk(s).")
+           f"choices []; got usage on {len(with_usage)} chunk(s).")
     got, expected = ((u.prompt_tokens, u.completion_tokens, u.total_tokens)
                      for u in (chunks[-1].usage, full.usage))
     expect(got == expected, f"usage (prompt, completion, total) {got}, expected {expected}: "
@@ -213,7 +209,6 @@ def random_traces(rng: random.Random, n: int) -> tuple[list[dict], float]:
 
 def reference_metrics(traces: list[dict], duration_s: float, slos_ms: dict[str, float]) -> dict:
     from minivllm.benchmarks.serve import RequestResult, summarize
-
     results = [RequestResult.from_timestamps(t["start"], t["chunk_times"], t["end"],
                                              t["output_tokens"], t["prompt_len"],
                                              t["expected_tokens"]) for t in traces]
@@ -223,9 +218,7 @@ def reference_metrics(traces: list[dict], duration_s: float, slos_ms: dict[str, 
 def _get(d: dict, key: str):
     """``d[a][b]`` for the key ``"a.b"``; KeyError (the class) when it is not there."""
     for part in key.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return KeyError
-        d = d[part]
+        d = d.get(part, KeyError) if isinstance(d, dict) else KeyError
     return d
 
 

@@ -1,6 +1,5 @@
 """Chapter 12's graders: 12.1, the row-parallel linear on two forked gloo ranks; 12.2, q/k/v
-shards by heads, then a tiny Llama loaded with them at tensor-parallel size 2 and 4, its ranks
-emulated as threads of this process (collectives summed in memory) running the engine's layers."""
+shards by heads, then in a tiny Llama at tp 2 and 4, its ranks emulated as threads."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import threading
 import traceback
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
 
 import torch
 
@@ -47,6 +47,7 @@ ROW_TIMEOUT_S = 20.0  # a rank that never joins the all-reduce makes the other w
 NEVER_JOINED = (" in a collective that the other rank never joined (it timed out, or the other "
                 "rank had finished): every rank must call all_reduce, the same number of times, "
                 "with a tensor of the same shape")
+LEFT_ALONE = ("timed out", "timeout", "closed by peer", "reset by peer")  # the other rank left
 QKV_CASES = [(4, 2, 3, 2), (8, 2, 2, 4), (8, 8, 2, 4), (6, 1, 2, 3), (4, 4, 5, 2), (8, 2, 3, 2)]
 QKV_SETUPS = [  # (name, tiny checkpoint overrides, tp)
     ("4 query heads over 2 KV heads, tp=2 (KV heads split)", {}, 2),
@@ -134,10 +135,10 @@ def _run_ranks(ex: Exercise, layer_cls, cases) -> list[dict]:
 
 
 def raise_first_cause(ex: Exercise, results: list[dict]) -> None:
-    """Raise the ranks' failure, the cause first: a rank that fails on its own makes the other
-    fail in the collective it then waits in, and that rank may come first (a fresh exercise:
-    rank 1 raises NotImplementedError while rank 0 still joins the group)."""
-    failed = [(r, _left_alone(r["error"])) for r in results if r["error"] is not None]
+    """Raise the ranks' failure, the cause first, not a rank that failed only because the other
+    left a collective it then waited in (a timeout, a closed peer)."""
+    failed = [(r, r["error"][0] is None and any(w in r["error"][1].lower() for w in LEFT_ALONE))
+              for r in results if r["error"] is not None]
     if not failed:
         return
     r, left_alone = min(failed, key=lambda f: (f[1], f[0]["error"][0] is None))
@@ -147,17 +148,9 @@ def raise_first_cause(ex: Exercise, results: list[dict]) -> None:
     ex.fail(f"rank {r['rank']} raised{NEVER_JOINED if left_alone else ''}:\n{text}")
 
 
-def _left_alone(error) -> bool:
-    """Did a rank fail only because the other left a collective (a timeout, a closed peer)?"""
-    kind, text = error
-    return kind is None and any(w in text.lower() for w in (
-        "timed out", "timeout", "closed by peer", "reset by peer"))
-
-
 def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) -> None:
-    """``layer_cls(input_size, output_size, bias, tp_rank, tp_size)`` with ``weight`` (this
-    rank's columns), ``bias`` (set by the grader), ``weight_loader(full_weight)`` and
-    ``forward(x_shard)``, graded on two gloo ranks against the unsharded ``F.linear``."""
+    """``layer_cls(input_size, output_size, bias, tp_rank, tp_size)`` with ``weight``, ``bias``,
+    ``weight_loader(full_weight)`` and ``forward(x_shard)``, on two gloo ranks."""
     ex = Exercise(exercise, ROW_CONVENTION, ROW_ANSWER, ROW_ALLOWED)
     layer_cls = ex.take(layer_cls, "RowParallelLinear")
     g = torch.Generator().manual_seed(seed)
@@ -169,7 +162,7 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
         expected = torch.nn.functional.linear(x, w, b)
         what = (f"case {i} (x {tuple(x.shape)}, W {tuple(w.shape)}, "
                 f"{'with' if b is not None else 'no'} bias)")
-        n = w.shape[1] // ROW_TP
+        n, bias = w.shape[1] // ROW_TP, b if b is not None else 0
         for rank, r in enumerate(results):
             own, held = w[:, rank * n:(rank + 1) * n], r["cases"][i]["weight"]
             if tuple(held.shape) != tuple(own.shape) or not torch.equal(held, own):
@@ -178,7 +171,6 @@ def check_row_parallel_linear(layer_cls, exercise: str = "12.1", seed: int = 0) 
                         f"receives).")
         for rank, r in enumerate(results):
             partial = x[:, rank * n:(rank + 1) * n] @ w[:, rank * n:(rank + 1) * n].T
-            bias = b if b is not None else 0
             mistakes = [
                 (lambda y: close(y, partial, 1e-5, 1e-5) or close(y, partial + bias, 1e-5, 1e-5),
                  f"rank {rank} returned only its own partial product x_r @ W_r.T: the partial "
@@ -212,8 +204,8 @@ def _load(path: str, rank: int = 0, tp: int = 1):
 
 @torch.inference_mode()
 def _emulated_logits(models: list, token_ids: list[int]) -> torch.Tensor:
-    """Logits of one sequence through the rank models, one thread per rank, their all-reduce
-    and all-gather done in memory; every rank's logits must agree, rank 0's are returned."""
+    """Logits of one sequence through the rank models on one thread each, their collectives done
+    in memory; every rank's logits must agree, rank 0's are returned."""
     from minivllm.model import parallel_layers
     from minivllm.model.standalone import sequence_logits
 
@@ -229,8 +221,7 @@ def _emulated_logits(models: list, token_ids: list[int]) -> torch.Tensor:
         return parts
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        parts = exchange(x)
-        return x.copy_(sum(parts[1:], parts[0]))
+        return x.copy_(torch.stack(exchange(x)).sum(0))
 
     def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.cat(exchange(x.contiguous()), dim=dim)
@@ -243,19 +234,13 @@ def _emulated_logits(models: list, token_ids: list[int]) -> torch.Tensor:
             errors.append(e)
             barrier.abort()
 
-    names = ("tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather")
-    saved = [getattr(parallel_layers, name) for name in names]
-    for name, fn in zip(names, (all_reduce, all_gather)):
-        setattr(parallel_layers, name, fn)
-    try:
+    with mock.patch.multiple(parallel_layers, tensor_model_parallel_all_reduce=all_reduce,
+                             tensor_model_parallel_all_gather=all_gather):
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(tp)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    finally:
-        for name, fn in zip(names, saved):
-            setattr(parallel_layers, name, fn)
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if errors:
         raise (real or errors)[0]
@@ -275,7 +260,7 @@ def _heads_of(rows: int, heads: int, kv: int, tp: int, rank: int, which: str):
 
 
 def _shards(ex: Exercise, shard_qkv, where: str, qkv, heads: int, kv: int, tp: int, rank: int):
-    """The learner's shards of ``qkv`` for ``rank``, each checked against the convention."""
+    """The learner's shards of ``qkv`` for ``rank``, checked against the convention."""
     out = shard_qkv(*(t.clone() for t in qkv), heads, kv, tp, rank)
     if not (isinstance(out, (tuple, list)) and len(out) == 3):
         ex.fail(f"shard_qkv returned {type(out).__name__}, expected a tuple "
@@ -303,13 +288,12 @@ def _shards(ex: Exercise, shard_qkv, where: str, qkv, heads: int, kv: int, tp: i
 
 def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None:
     """``shard_qkv(q, k, v, num_heads, num_kv_heads, tp_size, tp_rank)`` -> this rank's
-    ``(q, k, v)``, slices of dim 0: on random weights and biases, then in a tiny Llama."""
+    ``(q, k, v)``: on random weights and biases, then in a tiny Llama."""
     from safetensors import safe_open
 
     ex = Exercise(exercise, QKV_CONVENTION, QKV_ANSWER, allowed="tensor slicing")
     shard_qkv = ex.take(shard_qkv, "shard_qkv")
     g = torch.Generator().manual_seed(seed)
-    cases = 0
     for heads, kv, d, tp in QKV_CASES:
         for bias in (False, True):
             columns = () if bias else (5,)  # biases [rows], weights [rows, hidden]
@@ -318,7 +302,6 @@ def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None
                      f"KV heads of dimension {d}")
             for rank in range(tp):
                 _shards(ex, shard_qkv, where, qkv, heads, kv, tp, rank)
-                cases += 1
     for name, overrides, tp in QKV_SETUPS:
         path = write_tiny_checkpoint("tiny-llama-tp", initializer_range=0.5, **overrides)
         full = _load(path)
@@ -341,6 +324,7 @@ def check_qkv_sharding(shard_qkv, exercise: str = "12.2", seed: int = 0) -> None
                            expected, 1e-4, 1e-4)
         if not torch.equal(got.argmax(-1), expected.argmax(-1)):
             ex.fail(f"{name}: the greedy tokens differ from the unsharded model's.")
+    cases = 2 * sum(tp for *_, tp in QKV_CASES)  # weights and biases, every rank
     ex.passed(f"your shards matched the convention in {cases} random cases, and a tiny "
               f"Llama loaded with them gave the unsharded model's logits at "
               f"{'; '.join(n for n, _, _ in QKV_SETUPS)}.")
