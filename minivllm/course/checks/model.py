@@ -66,6 +66,8 @@ class WholePromptBackend(AttentionBackend):
         self.attention = attention
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
+        if len(metadata.seq_lens_cpu) != 1 or int(metadata.seq_lens_cpu[0]) != q.shape[0]:
+            raise ValueError("WholePromptBackend computes one whole prompt at a time")
         return torch.empty_like(q).copy_(self.attention(q, k, v, scale))  # contiguous, q's dtype
 
 
