@@ -323,3 +323,73 @@ def test_grid_best_is_gone_and_a_failure_never_names_the_best_choice():
                                      "long_prefill_token_threshold": 64}, seed=1)
     message = str(info.value)
     assert message.count("max_num_batched_tokens=") == 1, message  # the learner's own choice
+
+
+# the answer reached where the profile hook of the watched call does not run by itself: in a
+# thread the learner's code starts, or in code compiled at run time from the package's source
+@pytest.mark.parametrize("source, named", [("""
+    import concurrent.futures
+    import importlib
+    def rms_norm(x, weight, eps):
+        norm = getattr(importlib.import_module("minivllm.model." + "layers"), "rms" + "_norm")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(norm, x, weight, eps).result()
+    """, "called minivllm.model.layers.rms_norm"), ("""
+    import importlib
+    import inspect
+    def rms_norm(x, weight, eps):
+        layers = importlib.import_module("minivllm.model." + "layers")
+        scope = dict(vars(layers))
+        exec(inspect.getsource(getattr(layers, "rms" + "_norm")), scope)
+        return scope["rms" + "_norm"](x, weight, eps)
+    """, "called a copy of minivllm.model.layers.rms_norm")], ids=["thread", "exec"])
+def test_a_thread_or_a_copy_made_at_run_time_is_still_caught(source, named):
+    import threading
+
+    with pytest.raises(checks.Delegated, match="while it ran") as info:
+        checks.check_rms_norm(_cell(source)["rms_norm"])
+    assert named in str(info.value)
+    assert threading.getprofile() is None  # new threads are not watched after grading
+
+
+def test_a_pasted_copy_is_caught_without_the_modules_imports():
+    """Pasted alone (``torch`` imported in another cell), the package's function compiles to
+    other instructions than in its module (there ``torch`` is bound by an import): still a copy."""
+    import inspect
+
+    from minivllm.model import layers
+
+    scope = _cell("import torch")
+    exec(compile(inspect.getsource(layers.rms_norm), "<notebook cell>", "exec"), scope)
+    with pytest.raises(checks.Delegated, match="is a copy of minivllm.model.layers.rms_norm"):
+        checks.check_rms_norm(scope["rms_norm"])
+
+
+@pytest.mark.parametrize("source, named", [("""
+    import sys
+    def rms_norm(x, weight, eps):
+        expected = sys._getframe(1).f_back.f_locals
+        return x
+    """, "uses _getframe"), ("""
+    import sys
+    def rms_norm(x, weight, eps):
+        try:
+            raise ValueError
+        except ValueError as e:
+            frame = e.__traceback__.tb_frame
+        return x
+    """, "uses tb_frame"), ("""
+    import importlib
+    def rms_norm(x, weight, eps):
+        frame = getattr(importlib.import_module("sys"), "_get" + "frame")(1)
+        return x
+    """, "called sys._getframe"), ("""
+    import importlib
+    def rms_norm(x, weight, eps):
+        frames = getattr(importlib.import_module("inspect"), "st" + "ack")()
+        return x
+    """, "called inspect.stack")], ids=["static", "traceback", "sys", "inspect"])
+def test_reading_the_graders_frames_is_refused(source, named):
+    with pytest.raises(checks.Delegated, match="reads the grader's own frames") as info:
+        checks.check_rms_norm(_cell(source)["rms_norm"])
+    assert named in str(info.value)

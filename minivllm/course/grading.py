@@ -8,9 +8,14 @@ the exercise's answer; ``take`` refuses the learner's object when it is or reach
 * statically, by identity: the object under any name, a subclass, an inherited method, a function
   running the package's code or a byte-for-byte copy of it, and everything learner-written code
   refers to (globals, module and class attributes, closures, defaults, ``super()``, builtins);
-* at run time (``importlib``, ``getattr`` by string, ...): the returned object runs the learner's
-  code under a profile hook that refuses any call into the answer's code, Python or C, and still
-  refuses when the learner catches that refusal and goes on.
+* at run time (``importlib``, ``getattr`` by string, ``exec`` of the package's source, ...):
+  the returned object runs the learner's code under a profile hook that refuses any call into
+  the answer's code or a copy of it, Python or C, also in the threads that code starts, and
+  still refuses when the learner catches that refusal and goes on.
+
+Reading the grader's own frames or objects (``sys._getframe``, ``f_back``, ``tb_frame``,
+``gc.get_objects``, ...), where a reference result may sit, is refused the same two ways. Code
+in another process is out of the harness's sight.
 
 Either way the grader raises :class:`Delegated` (a :class:`CheckFailed`) naming the route.
 """
@@ -111,11 +116,30 @@ def _codes(code: types.CodeType):
             yield from _codes(const)
 
 
+# what the compiler may emit differently for the same source, depending on the rest of the
+# module (a name bound by ``import`` there is loaded as an attribute, not a method)
+_SAME_OP = {"LOAD_METHOD": "LOAD_ATTR"}
+_NO_OP = {"CACHE", "EXTENDED_ARG", "NOP", "PRECALL", "PUSH_NULL", "RESUME"}
+
+
 def _fingerprint(code: types.CodeType):
-    """What a verbatim copy of the source keeps: bytecode, names, constants (not lines, file)."""
-    consts = tuple(_fingerprint(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
-                   for c in code.co_consts)
-    return (code.co_code, code.co_names, code.co_varnames, code.co_argcount, consts)
+    """What a verbatim copy of the source keeps, wherever it is compiled: the docstring, the
+    instructions by name and argument (not offsets, lines or file), the local names, nested
+    functions'. (Without its docstring, a short function may be the only way to write it.)"""
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in _NO_OP]
+    index = {i.offset: n for n, i in enumerate(instructions)}
+    jumps = set(dis.hasjrel) | set(dis.hasjabs)
+    ops = []
+    for i in instructions:
+        if isinstance(i.argval, types.CodeType):
+            arg = _fingerprint(i.argval)
+        elif i.opcode in jumps:
+            arg = index.get(i.argval, i.argval)
+        else:
+            arg = (type(i.argval).__name__, repr(i.argval))
+        ops.append((_SAME_OP.get(i.opname, i.opname), arg))
+    doc = code.co_consts[0] if code.co_consts and isinstance(code.co_consts[0], str) else None
+    return doc, tuple(ops), code.co_varnames, code.co_argcount
 
 
 def _triton_fn(obj) -> types.FunctionType | None:
@@ -144,6 +168,41 @@ def _functions_of(obj) -> Iterable[Callable]:
     return out
 
 
+# -- peeking at the grader -------------------------------------------------------------------
+
+# attribute and function names by which code reaches its callers' frames or every live object
+PEEK_NAMES = frozenset({"f_back", "f_locals", "f_globals", "tb_frame", "_getframe", "currentframe",
+                        "getouterframes", "get_objects", "get_referrers", "get_referents"})
+PEEK_WHY = ("which reads the grader's own frames or objects (where its reference results are): "
+            "the grade must come from what your code computes.")
+
+
+@functools.lru_cache(maxsize=None)
+def _peek_functions() -> dict[int, tuple[Any, str]]:
+    """id -> (function, name) of the functions that hand out frames or every live object."""
+    import gc
+
+    found = {}
+    for module, names in ((sys, ("_getframe",)), (gc, ("get_objects", "get_referrers",
+                                                        "get_referents")),
+                          (inspect, ("currentframe", "stack", "trace", "getouterframes"))):
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is not None:
+                found[id(fn)] = (fn, f"{module.__name__}.{name}")
+    return found
+
+
+def _learner_frame(frame) -> bool:
+    return frame is not None and not _is_library_file(frame.f_code.co_filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _peek_codes() -> dict[types.CodeType, str]:
+    return {fn.__code__: name for fn, name in _peek_functions().values()
+            if isinstance(fn, types.FunctionType)}
+
+
 # -- the exercise ----------------------------------------------------------------------------
 
 class Exercise:
@@ -158,8 +217,10 @@ class Exercise:
         self._answer_names = tuple(answer)
         self._builtin = dict(builtin or {})  # builtin name -> why it is refused
         self._ready = False
-        self._hits: list[str] = []
+        self._hits: list[tuple[str, str]] = []  # (what a watched call reached, why refused)
         self._local = threading.local()
+        self._active = 0  # threads inside a watched call
+        self._lock = threading.Lock()
 
     # failing and passing
     def fail(self, message: str, hint: str | None = None) -> NoReturn:
@@ -234,10 +295,12 @@ class Exercise:
         for bname in self._builtin:
             obj = getattr(builtins, bname)
             self._objects[id(obj)] = (obj, f"Python's built-in {bname}()")
+        self._fingerprints: dict[types.CodeType, tuple] = {}  # of code run while watched
         self._ready = True
 
-    def _refuse(self, route: str, how: str, name: str) -> NoReturn:
-        why = self._builtin.get(name.removeprefix("Python's built-in ").removesuffix("()"), "")
+    def _refuse(self, route: str, how: str, name: str, why: str = "") -> NoReturn:
+        why = why or self._builtin.get(
+            name.removeprefix("Python's built-in ").removesuffix("()"), "")
         message = (f"{route} {how} {name}, " + (why or
                    "the package's own answer. The exercise is to write it: while it is graded, "
                    "the package's answer is refused however it is reached (imported, aliased, "
@@ -326,6 +389,9 @@ class Exercise:
             names.extend(n for n in code.co_names if n not in names)
             imported.extend(i.argval for i in dis.get_instructions(code)
                             if i.opname == "IMPORT_NAME" and i.argval in sys.modules)
+        peeks = sorted(PEEK_NAMES.intersection(names))
+        if peeks:
+            self._refuse(route, "uses", peeks[0], PEEK_WHY)
         for module in imported:
             self._visit_members(sys.modules[module], names, f"{route} -> import {module}", seen,
                                 depth + 1)
@@ -395,33 +461,59 @@ class Exercise:
         unwatched, so the package code it uses is not taken for the learner's."""
         @functools.wraps(fn)
         def provided(*args, **kwargs):
-            saved = sys.getprofile()
+            saved, saved_threads = sys.getprofile(), threading.getprofile()
             sys.setprofile(None)
+            threading.setprofile(None)
             try:
                 return fn(*args, **kwargs)
             finally:
                 sys.setprofile(saved)
+                threading.setprofile(saved_threads)
         return provided
 
     def check_hits(self) -> None:
         """Refuse if a watched call reached the answer (even if the learner caught the refusal)."""
         if self._hits:
-            name = self._hits[0]
-            self._refuse("your code (while it ran)", "called", name)
+            self._refuse("your code (while it ran)", "called", *self._hits[0])
 
     def _hook(self, frame, event, arg):
+        why = ""
         if event == "call":
-            name = self._code_names.get(frame.f_code)
-            if name is None and frame.f_code.co_name in ("run", "__call__"):
+            code = frame.f_code
+            name = self._code_names.get(code)
+            if name is None and code.co_name in ("run", "__call__"):
                 name = self._kernel_name(frame.f_locals.get("self"))  # a kernel launched/called
+            if name is None and code in _peek_codes() and _learner_frame(frame.f_back):
+                name, why = _peek_codes()[code], PEEK_WHY
+            if name is None and not _is_library_file(code.co_filename):
+                copied = self._copy_of(code)  # compiled at run time from the package's source
+                name = copied and f"a copy of {copied}"
         elif event == "c_call":
             found = self._objects.get(id(arg))
             name = found[1] if found is not None and found[0] is arg else None
+            peek = _peek_functions().get(id(arg)) if name is None else None
+            if peek is not None and peek[0] is arg and _learner_frame(frame):
+                name, why = peek[1], PEEK_WHY
         else:
             return
         if name is not None:
-            self._hits.append(name)
-            self._refuse("your code (while it ran)", "called", name)
+            self._hits.append((name, why))
+            self._refuse("your code (while it ran)", "called", name, why)
+
+    def _copy_of(self, code: types.CodeType) -> str | None:
+        """The answer ``code`` is a byte-for-byte copy of, if any (fingerprints kept)."""
+        fingerprint = self._fingerprints.get(code)
+        if fingerprint is None:
+            fingerprint = self._fingerprints[code] = _fingerprint(code)
+        return self._copies.get(fingerprint)
+
+    def _thread_hook(self, frame, event, arg):
+        """The hook of a thread started while a call was watched: the watch goes on there for
+        as long as some watched call runs, then the thread runs free."""
+        if not self._active:
+            sys.setprofile(None)
+            return
+        self._hook(frame, event, arg)
 
     def _kernel_name(self, kernel) -> str | None:
         found = self._objects.get(id(kernel))
@@ -436,11 +528,20 @@ class Exercise:
         if depth == 0:
             self._local.saved = sys.getprofile()
             sys.setprofile(self._hook)
+            with self._lock:  # threads started from here on are watched too
+                self._active += 1
+                if self._active == 1:
+                    self._threads_saved = threading.getprofile()
+                    threading.setprofile(self._thread_hook)
 
     def _exit(self) -> None:
         self._local.depth -= 1
         if self._local.depth == 0:
             sys.setprofile(self._local.saved)
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    threading.setprofile(self._threads_saved)
 
     def _run(self, fn, args, kwargs):
         self._enter()
@@ -450,8 +551,10 @@ class Exercise:
             raise
         except BaseException as e:
             if self._hits:
-                raise Delegated(f"Exercise {self.number}: your code called {self._hits[0]}, the "
-                                f"package's own answer (and then failed: {e!r}).") from e
+                name, why = self._hits[0]
+                why = why.removesuffix(".") or "the package's own answer"
+                raise Delegated(f"Exercise {self.number}: your code called {name}, {why} (and "
+                                f"then failed: {e!r}).") from e
             raise
         finally:
             self._exit()
