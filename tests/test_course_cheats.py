@@ -393,3 +393,63 @@ def test_reading_the_graders_frames_is_refused(source, named):
     with pytest.raises(checks.Delegated, match="reads the grader's own frames") as info:
         checks.check_rms_norm(_cell(source)["rms_norm"])
     assert named in str(info.value)
+
+
+# results whose own methods would answer the grader's comparisons
+@pytest.mark.parametrize("checker, names, source, named", [
+    ("check_rms_norm", "rms_norm", """
+        import torch
+        class Agreeable(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                if func is torch.isclose:
+                    return torch.ones(args[0].shape, dtype=torch.bool)
+                return super().__torch_function__(func, types, args, kwargs or {})
+        def rms_norm(x, weight, eps):
+            return torch.zeros_like(x).as_subclass(Agreeable)
+        """, "Agreeable, a torch.Tensor subclass of your own"),
+    ("check_block_hashes", ("hash_block_tokens", "update_block_hashes"), """
+        class Digest(bytes):
+            def __eq__(self, other):
+                return True
+            def __ne__(self, other):
+                return False
+            __hash__ = bytes.__hash__
+        def hash_block_tokens(parent_block_hash, token_ids, extra_keys):
+            return Digest(b"0" * 32)
+        def update_block_hashes(request, block_size):
+            return request.block_hashes
+        """, "Digest, a subclass of bytes of your own that defines __eq__"),
+], ids=["tensor", "bytes"])
+def test_a_result_that_answers_comparisons_itself_fails(checker, names, source, named):
+    scope = _cell(source)
+    args = [scope[n] for n in ((names,) if isinstance(names, str) else names)]
+    with pytest.raises(checks.CheckFailed, match="its own methods") as info:
+        getattr(checks, checker)(*args)
+    assert named in str(info.value)
+
+
+def test_faked_flags_only_the_learners_own_comparing_classes():
+    import collections
+
+    import torch
+
+    from minivllm.course.grading import faked
+
+    scope = _cell("""
+        import collections
+        import torch
+        Pair = collections.namedtuple("Pair", "a b")
+        class Loud(int):
+            def __eq__(self, other):
+                return True
+            __hash__ = int.__hash__
+        class Plain(torch.Tensor):
+            pass
+        """)
+    assert faked([1, 2.0, "a", b"b", None, torch.ones(2), torch.nn.Parameter(torch.ones(1)),
+                  {"k": (1, 2)}, scope["Pair"](1, 2), collections.OrderedDict(a=1)]) is None
+    assert faked([[{"k": scope["Loud"](3)}]]) == \
+        "Loud, a subclass of int of your own that defines __eq__"
+    assert faked((torch.ones(1), torch.ones(1).as_subclass(scope["Plain"]))) == \
+        "Plain, a torch.Tensor subclass of your own"

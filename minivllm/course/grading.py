@@ -203,6 +203,41 @@ def _peek_codes() -> dict[types.CodeType, str]:
             if isinstance(fn, types.FunctionType)}
 
 
+# -- results that answer for themselves ------------------------------------------------------
+
+# methods by which a value's own class could decide how it compares with the expected one
+_COMPARED = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
+             "__len__", "__iter__", "__getitem__", "__contains__", "__int__", "__index__",
+             "__float__")
+_PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
+
+
+def faked(value, depth: int = 0) -> str | None:
+    """What in ``value`` (a learner's result, looked into down to 3 levels of tuples, lists and
+    dicts) is of a class of the learner's own that could decide how it compares: a torch.Tensor
+    subclass, or a subclass of a plain Python type that defines a comparison; None if nothing."""
+    kind = type(value)
+    if kind in _PLAIN[:5] or value is None:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return (f"{kind.__name__}, a torch.Tensor subclass of your own"
+                if is_learner_code(kind) else None)
+    if isinstance(value, _PLAIN) and is_learner_code(kind):
+        own = [name for klass in kind.__mro__ if is_learner_code(klass) for name in _COMPARED
+               if name in vars(klass)]
+        if own:
+            base = next(t for t in _PLAIN if isinstance(value, t)).__name__
+            return f"{kind.__name__}, a subclass of {base} of your own that defines {own[0]}"
+    if depth < 3 and isinstance(value, (tuple, list, dict)):
+        for item in (value if not isinstance(value, dict) else
+                     (x for pair in value.items() for x in pair)):
+            found = faked(item, depth + 1)
+            if found:
+                return found
+    return None
+
+
 # -- the exercise ----------------------------------------------------------------------------
 
 class Exercise:
@@ -559,7 +594,17 @@ class Exercise:
         finally:
             self._exit()
         self.check_hits()
+        self.check_result(result)
         return result
+
+    def check_result(self, result) -> None:
+        """Fail if the learner's ``result`` holds a value that would answer for itself when
+        compared (see :func:`faked`)."""
+        found = faked(result)
+        if found:
+            self.fail(f"your code returned {found}: its own methods, not its values, would "
+                      "decide how it compares with the expected result. Return plain tensors "
+                      "and Python values.")
 
     def _watch_function(self, fn):
         ex = self
@@ -635,6 +680,7 @@ class _Stepped:
             except StopIteration as stop:
                 self.ex._exit()
                 self.ex.check_hits()
+                self.ex.check_result(stop.value)
                 return stop.value
             except BaseException as e:
                 self.ex._exit()
@@ -649,5 +695,5 @@ class _Stepped:
                 value, error = None, e
 
 
-__all__ = ["CheckFailed", "Delegated", "Exercise", "fail", "passed", "first_difference",
+__all__ = ["CheckFailed", "Delegated", "Exercise", "fail", "passed", "faked", "first_difference",
            "is_learner_code", "resolve"]

@@ -15,7 +15,7 @@ import torch
 from minivllm.attention.backend import AttentionBackend
 
 from minivllm.course.grading import (  # noqa: F401 - re-exported: the graders' one vocabulary
-    CheckFailed, Delegated, Exercise, fail, first_difference, passed,
+    CheckFailed, Delegated, Exercise, fail, faked, first_difference, passed,
 )
 from minivllm.testing import model_runner
 
@@ -38,6 +38,9 @@ def compare_tensors(
     ``hint``: a string, or a function that gives one (or None), called only when values differ."""
     if not isinstance(got, torch.Tensor):
         fail(exercise, f"{what}: expected a torch.Tensor, got {type(got).__name__}. {convention}")
+    if faked(got):
+        fail(exercise, f"{what}: expected a plain torch.Tensor, got {faked(got)}, whose own "
+                       f"methods would decide how it compares. {convention}")
     if tuple(got.shape) != tuple(expected.shape):
         fail(exercise, f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}. "
                        f"{convention}")
