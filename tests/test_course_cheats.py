@@ -46,6 +46,12 @@ CHEATS = [
         def rms_norm(x, weight, eps):
             return cpu_kernels.cpu_elementwise_ops({})["rms_norm"](x, weight, eps)
         """, "cpu_elementwise_ops"),
+    ("1.1", "check_rms_norm", "rms_norm", """
+        import torch
+        def rms_norm(x, weight, eps):
+            return torch.ops.aten.rms_norm(x.float(), [x.shape[-1]], weight.float(),
+                                           eps).to(x.dtype)
+        """, "torch.ops.aten.rms_norm"),
     # 1.2 rotary
     ("1.2", "check_rotary", "apply_rotary", """
         from minivllm.model.layers import RotaryEmbedding
@@ -74,6 +80,28 @@ CHEATS = [
     ("1.3", "check_gqa_attention", "gqa_attention",
      "from minivllm.course.checks.model import reference_gqa_attention as gqa_attention",
      "reference_gqa_attention"),
+    # 1.3: the kernels behind torch's SDPA, as an operator and (at run time) as an overload
+    ("1.3", "check_gqa_attention", "gqa_attention", """
+        import torch
+        def gqa_attention(q, k, v, scale):
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=scale)[0][0]
+            return o.transpose(0, 1)
+        """, "_scaled_dot_product_flash_attention_for_cpu"),
+    ("1.3", "check_gqa_attention", "gqa_attention", """
+        import torch
+        def gqa_attention(q, k, v, scale):
+            op = getattr(getattr(torch.ops.aten, "_scaled_dot_product_attention" + "_math"),
+                         "default")
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            o = op(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                   scale=scale)[0]
+            return o.transpose(0, 1)
+        """, "_scaled_dot_product_attention_math.default"),
     # 2.1 sampler: the measured alias, a bare subclass, composition
     ("2.1", "check_sampler", "MySampler",
      "from minivllm.sample.sampler import Sampler as MySampler", "minivllm.sample.sampler.Sampler"),

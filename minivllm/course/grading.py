@@ -142,6 +142,19 @@ def _fingerprint(code: types.CodeType):
     return doc, tuple(ops), code.co_varnames, code.co_argcount
 
 
+def _operator_parts(obj, shown: str) -> list[tuple[Any, str]]:
+    """For a torch operator (``torch.ops.ns.name``): its overloads and the C functions that
+    the operator and each overload call, which a learner can reach past the operator itself."""
+    ops = sys.modules.get("torch._ops")
+    if ops is None or not isinstance(obj, ops.OpOverloadPacket):
+        return []
+    parts = [(obj._op, shown)]
+    for overload in obj.overloads():
+        op = getattr(obj, overload)
+        parts += [(op, f"{shown}.{overload}"), (op._op, f"{shown}.{overload}")]
+    return parts
+
+
 def _triton_fn(obj) -> types.FunctionType | None:
     """The Python function of a ``@triton.jit`` kernel; None for anything else."""
     jit = sys.modules.get("triton.runtime.jit")
@@ -321,6 +334,8 @@ class Exercise:
                     if fns:  # the innermost's code (a decorator's wrapper code is shared)
                         self._code_names.setdefault(fns[-1].__code__, f"{shown}.{attr}")
                 continue
+            for op, op_name in _operator_parts(obj, shown):  # torch.ops.X.name.overload
+                self._objects.setdefault(id(op), (op, op_name))
             fns = _functions_of(obj)
             for fn in fns:
                 self._objects.setdefault(id(fn), (fn, shown))

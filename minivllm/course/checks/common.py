@@ -62,6 +62,14 @@ def compare_tensors(
         fail(exercise, msg)
 
 
+def aten_operators(word: str) -> tuple[str, ...]:
+    """torch's own operators (``torch.ops.aten.*``) whose name contains ``word``, as answer
+    names: the kernels behind a one-call torch function, which a learner can call directly."""
+    return tuple(f"torch:ops.aten.{name}" for name in sorted({
+        op.split("::")[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
+        if op.startswith("aten::") and word in op}))
+
+
 def native_answer(answer: tuple[str, ...], *ops: str) -> tuple[str, ...]:
     """``answer`` and, where the CPU kernels load, their operators ``ops`` as a learner could
     call them (``torch.ops.minivllm_cpu.NAME``)."""

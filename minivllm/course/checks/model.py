@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backend import AttentionBackend
-from minivllm.course.checks.common import PROMPT, Exercise, bundled_model, close, native_answer
+from minivllm.course.checks.common import (
+    PROMPT, Exercise, aten_operators, bundled_model, close, native_answer,
+)
 from minivllm.model.layers import RotaryEmbedding
 from minivllm.model.layers import rms_norm as reference_rms_norm
 from minivllm.model.standalone import sequence_logits
@@ -20,7 +22,8 @@ LOGITS_ATOL = 1e-3  # float32 end to end: a correct component stays within ~1e-5
 KERNELS = ("minivllm.cpu_kernels:library", "minivllm.cpu_kernels:cpu_elementwise_ops",
            "minivllm.model.layers:NATIVE_OPS")
 RMS_ANSWER = ("minivllm.model.layers:rms_norm", "minivllm.model.layers:RMSNorm",
-              "torch.nn.functional:rms_norm", "torch:rms_norm", "torch.nn:RMSNorm") + KERNELS
+              "torch.nn.functional:rms_norm", "torch:rms_norm", "torch.nn:RMSNorm") + KERNELS + \
+    aten_operators("rms_norm")
 RMS_CONVENTION = ("Expected: x / sqrt(mean(x**2 over the last dim) + eps) * weight, computed in "
                   "float32 and returned in x's dtype.")
 ROPE_ANSWER = ("minivllm.model.layers:rotary_embedding",
@@ -36,9 +39,9 @@ TORCH_ATTENTION = tuple(f"minivllm.attention.torch_backend:{name}" for name in (
     f"minivllm.cpu_kernels:{name}" for name in ("paged_decode", "paged_prefill", "kernel"))
 ATTENTION_OPS = ("paged_decode", "paged_prefill")
 # torch's fused attention is the reference (and the chapter's cell): the exercise writes it
-GQA_ANSWER = ("torch.nn.functional:scaled_dot_product_attention",
-              "torch:ops.aten.scaled_dot_product_attention", "torch.nn:MultiheadAttention",
-              "minivllm.course.checks.model:reference_gqa_attention") + TORCH_ATTENTION
+GQA_ANSWER = ("torch.nn.functional:scaled_dot_product_attention", "torch.nn:MultiheadAttention",
+              "minivllm.course.checks.model:reference_gqa_attention") + TORCH_ATTENTION + \
+    aten_operators("scaled_dot_product")  # and the kernels behind it (math, flash, ...)
 GQA_ALLOWED = "torch's tensor operations (einsum, matmul, softmax, masked_fill, repeat_interleave)"
 GQA_CONVENTION = ("Expected: causal attention (token t sees tokens 0..t) of q [tokens, heads, d] "
                   "over k, v [tokens, kv_heads, d], softmax(q k^T * scale) v, where query head h "
