@@ -2,7 +2,9 @@
 tests), a "notebook cell" submits (a) the package's own implementation under the expected name,
 (b) a bare subclass or an alias, and (c) a wrapper that reaches the answer some other way (a
 name bound before grading, a closure, an import inside the function, importlib at run time);
-each must fail with the grading harness's Delegated, naming what it reached. Most are refused
+each must fail with the grading harness's Delegated, naming what it reached. Further down: the
+answer reached from a thread or a copy compiled at run time, the grader's frames read, and
+results whose own class would answer the grader's comparisons. Most are refused
 before the grader runs anything, so the whole file takes seconds. The constant answers of 5.2
 and 11.1 are in test_course_checks.py and test_course_checks_11.py (targets drawn at grading)."""
 
