@@ -2,6 +2,8 @@
 solutions pass on several drawn workloads; the package's own implementation, a bare subclass
 and a plausible wrong design each fail with a message that says what went wrong."""
 
+import copy
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -166,6 +168,24 @@ class DropsTheLastStep(OverlappingEngineCore):
             if out.total_num_scheduled_tokens else []
 
 
+class SchedulesADecoy(EngineCore):
+    """Serial (schedule, run, update), with a throwaway copy of the scheduler scheduled in a
+    thread while the model runs: the copy's calls overlap, but the model never runs its steps."""
+
+    def step(self):
+        sched = self.scheduler
+        if not (sched.has_unfinished_requests() or sched.finished_req_ids):
+            return []
+        out = sched.schedule()
+        decoy = threading.Thread(target=copy.deepcopy(sched).schedule)
+        decoy.start()
+        runner_output = self.model_executor.execute_model(out)
+        decoy.join()
+        if not out.total_num_scheduled_tokens:
+            return []
+        return sched.update_from_output(out, runner_output)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_overlap_solution_passes(seed, capsys):
     check_overlap_core(OverlappingEngineCore, seed=seed)
@@ -180,6 +200,7 @@ def test_overlap_refuses_the_package_core_and_a_bare_subclass(submission):
 
 @pytest.mark.parametrize("wrong, fragment", [
     (ScheduleAfterTheModel, "had the scheduler called while the model ran them"),
+    (SchedulesADecoy, "for a step the model then ran"),
     (DropsTheLastStep, "have not finished|greedy tokens"),
 ])
 def test_overlap_wrong_designs_fail(wrong, fragment):
