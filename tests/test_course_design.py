@@ -225,6 +225,18 @@ def test_a_wrapper_around_the_package_policy_is_refused():
         check_overlap_core(WrappedCore, seed=0)
 
 
+def test_the_v0_schedulers_loop_over_a_sorted_queue_is_refused():
+    from minivllm.core.scheduler_v0 import PhaseSeparatedScheduler
+
+    class SortedV0(PhaseSeparatedScheduler):
+        def schedule(self):
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
+            return PhaseSeparatedScheduler.schedule(self)
+
+    with pytest.raises(Delegated, match="Exercise 5.3: .*PhaseSeparatedScheduler.schedule"):
+        check_priority_scheduler(SortedV0, seed=0)
+
+
 def test_requests_carry_vllms_priority_field():
     """The exercises' requests: EngineCoreRequest.priority (default 0) reaches Request.priority
     and survives the trip between processes."""

@@ -79,7 +79,8 @@ PRIORITY_CONVENTION = (
     "request finishes with the package's greedy tokens and no KV block leaks.")
 PRIORITY_DRAWS = 3  # workloads per grading: one draw may not tell the victim rules apart
 PRIORITY_ANSWER = ("minivllm.core.scheduler:Scheduler.schedule",
-                   "minivllm.core.scheduler:Scheduler._allocate_or_preempt")
+                   "minivllm.core.scheduler:Scheduler._allocate_or_preempt",
+                   "minivllm.core.scheduler_v0:PhaseSeparatedScheduler.schedule")  # v0's loop
 
 
 def draw_priority_workload(rng: random.Random) -> list:
