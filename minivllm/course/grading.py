@@ -222,7 +222,8 @@ def _peek_codes() -> dict[types.CodeType, str]:
 _COMPARED = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
              "__len__", "__iter__", "__getitem__", "__contains__", "__int__", "__index__",
              "__float__")
-_PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
+_SCALARS = (bool, int, float, complex, str)
+_PLAIN = _SCALARS + (bytes, tuple, list, dict, set, frozenset)
 
 
 def faked(value, depth: int = 0) -> str | None:
@@ -230,7 +231,7 @@ def faked(value, depth: int = 0) -> str | None:
     dicts) is of a class of the learner's own that could decide how it compares: a torch.Tensor
     subclass, or a subclass of a plain Python type that defines a comparison; None if nothing."""
     kind = type(value)
-    if kind in _PLAIN[:5] or value is None:
+    if kind in _SCALARS or value is None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
@@ -345,7 +346,7 @@ class Exercise:
         for bname in self._builtin:
             obj = getattr(builtins, bname)
             self._objects[id(obj)] = (obj, f"Python's built-in {bname}()")
-        self._fingerprints: dict[types.CodeType, tuple] = {}  # of code run while watched
+        self._fingerprints: dict[types.CodeType, tuple] = {}  # of code inspected or run while watched
         self._ready = True
 
     def _refuse(self, route: str, how: str, name: str, why: str = "") -> NoReturn:
@@ -370,7 +371,7 @@ class Exercise:
         for fn in _functions_of(x):
             if fn.__code__ in self._code_names:
                 self._refuse(route, "runs the code of", self._code_names[fn.__code__])
-            copied = self._copies.get(_fingerprint(fn.__code__))
+            copied = self._copy_of(fn.__code__)
             if copied is not None:
                 self._refuse(route, "is a copy of", copied)
         if not isinstance(x, (type, types.ModuleType, types.FunctionType, types.MethodType)):
@@ -551,7 +552,8 @@ class Exercise:
             self._refuse("your code (while it ran)", "called", name, why)
 
     def _copy_of(self, code: types.CodeType) -> str | None:
-        """The answer ``code`` is a byte-for-byte copy of, if any (fingerprints kept)."""
+        """The answer ``code`` is a byte-for-byte copy of, if any (fingerprints kept: the
+        static check and the hook ask about the same code again and again)."""
         fingerprint = self._fingerprints.get(code)
         if fingerprint is None:
             fingerprint = self._fingerprints[code] = _fingerprint(code)

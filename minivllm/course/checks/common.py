@@ -38,8 +38,8 @@ def compare_tensors(
     ``hint``: a string, or a function that gives one (or None), called only when values differ."""
     if not isinstance(got, torch.Tensor):
         fail(exercise, f"{what}: expected a torch.Tensor, got {type(got).__name__}. {convention}")
-    if faked(got):
-        fail(exercise, f"{what}: expected a plain torch.Tensor, got {faked(got)}, whose own "
+    if found := faked(got):
+        fail(exercise, f"{what}: expected a plain torch.Tensor, got {found}, whose own "
                        f"methods would decide how it compares. {convention}")
     if tuple(got.shape) != tuple(expected.shape):
         fail(exercise, f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}. "
