@@ -346,7 +346,8 @@ class Exercise:
         for bname in self._builtin:
             obj = getattr(builtins, bname)
             self._objects[id(obj)] = (obj, f"Python's built-in {bname}()")
-        self._fingerprints: dict[types.CodeType, tuple] = {}  # of code inspected or run while watched
+        # fingerprints of code inspected or run while watched
+        self._fingerprints: dict[types.CodeType, tuple] = {}
         self._ready = True
 
     def _refuse(self, route: str, how: str, name: str, why: str = "") -> NoReturn:
